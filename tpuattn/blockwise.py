@@ -1,0 +1,1 @@
+"""Placeholder: online softmax in pure JAX (being written)."""

@@ -1,0 +1,56 @@
+"""Materialised attention: the teaching baseline.
+
+It builds the whole ``[batch, heads, q_len, kv_len]`` score matrix, applies the
+numerically stable softmax and multiplies by V. Memory grows with
+``q_len * kv_len``; everything else in the package is measured against it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tpuattn import api
+from tpuattn._common import apply_softcap, check_options, matmul_precision
+
+
+def scores(q, k, spec):
+    """Logits ``[batch, kv_heads, group, q_len, kv_len]`` in float32, softcap applied."""
+    b, tq, h, d = q.shape
+    qg = q.reshape(b, tq, spec.num_kv_heads, spec.group_size, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=matmul_precision(q.dtype),
+                   preferred_element_type=jnp.float32)
+    return apply_softcap(s * spec.scale, spec.softcap)
+
+
+def visibility(segment_ids, spec):
+    """Boolean mask broadcastable to the scores: ``[batch or 1, 1, 1, q_len, kv_len]``."""
+    rows = jnp.arange(spec.q_len)[:, None]
+    cols = jnp.arange(spec.kv_len)[None, :]
+    if segment_ids is None:
+        return spec.mask.visible(rows, cols, xp=jnp)[None, None, None]
+    q_seg, kv_seg = segment_ids
+    keep = spec.mask.visible(rows[None], cols[None], q_seg[:, :, None], kv_seg[:, None, :], xp=jnp)
+    return keep[:, None, None]
+
+
+def reference_attention(q, k, v, segment_ids, spec, **options):
+    """Softmax over the full score matrix; rows that see no key return zeros."""
+    check_options("reference", options, ())
+    s = scores(q, k, spec)
+    keep = visibility(segment_ids, spec)
+    s = jnp.where(keep, s, -jnp.inf)
+    # The max only shifts the exponent: stop its gradient (softmax is invariant to it)
+    # and replace -inf (a row that sees nothing) by 0 so exp(-inf - 0) = 0, not NaN.
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype) if v.dtype != jnp.float32 else p, v,
+                     precision=matmul_precision(v.dtype), preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+api.register("reference", reference_attention,
+             description="materialised softmax over the full score matrix (the baseline)")
