@@ -28,6 +28,8 @@ from tpuattn.masks import MaskSpec
 IMPLEMENTATION_MODULES = (
     "tpuattn.reference",
     "tpuattn.blockwise",
+    "tpuattn.pallas",
+    "tpuattn.native",
 )
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -1,0 +1,1 @@
+"""Native attention paths (being written)."""

@@ -1,0 +1,1 @@
+"""Pallas TPU flash attention (being written)."""
