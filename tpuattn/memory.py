@@ -43,10 +43,23 @@ class PeakMemory:
 
 
 def _max_rss_mib() -> float:
+    """Peak resident set of this process's own address space (``VmHWM``), in MiB.
+
+    Not ``ru_maxrss``: Linux carries the parent's peak at fork time into a child's
+    ``ru_maxrss`` across ``exec``, so a child started from a large process (a notebook
+    kernel that has already run benchmarks) would report at least the parent's size.
+    ``VmHWM`` starts afresh with the new address space at ``exec``.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
     import resource
 
-    # Linux reports kilobytes.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kB on Linux
 
 
 def _child(args) -> dict:

@@ -1,1 +1,102 @@
-"""Pallas TPU flash attention (being written)."""
+"""Pallas TPU flash attention, forward and backward, behind the contract as ``impl="pallas"``.
+
+Use it through the contract::
+
+    tpuattn.attention(q, k, v, causal=True, impl="pallas",
+                      block_sizes=BlockSizes.uniform(128),   # optional
+                      interpret=None)                         # optional
+
+Options:
+  block_sizes: ``None`` (defaults from the chip's VMEM, :func:`default_block_sizes`), an int
+    (a multiple of 128, every pass), a :class:`ForwardBlocks` (forward; backward defaults) or a
+    :class:`BlockSizes` (``forward=ForwardBlocks(block_q, block_kv)``,
+    ``backward=BackwardBlocks(block_q, block_kv)``). Blocks are clamped to the padded sequence.
+  interpret: ``None`` compiles on a TPU and uses Pallas interpret mode elsewhere; ``True`` /
+    ``False`` force it; ``"simulate"`` runs the TPU simulator with race detection (read the
+    verdict with :func:`races_found`); a ``pltpu.InterpretParams`` is used as given.
+
+Public API (stable; notebook 03 and ``visualize.py`` use it):
+  * :class:`BlockSizes`, :class:`ForwardBlocks`, :class:`BackwardBlocks`, :func:`default_block_sizes`,
+    :func:`forward_vmem_bytes`, :func:`backward_vmem_bytes` -- block sizes (``blocks.py``);
+  * :func:`kv_schedule` -> :class:`ScheduleCounts` -- blocks computed / fetched per pass, counted
+    from the kernel's own schedule and index maps; :func:`build_schedule`, :func:`position_map`,
+    :func:`forward_index_maps`, :func:`dkv_index_maps`, :func:`walk_grid` (``schedule.py``);
+  * :func:`flash_forward` (out and logsumexp terms), :func:`flash_backward` (dq, dk, dv) -- the
+    kernels' drivers (``forward.forward`` and ``backward.backward``; the submodules keep their names);
+  * :func:`pallas_attention` -- the registered implementation; :func:`resolve_interpret`;
+  * :func:`races_found`, :func:`reset_races`, :func:`vmem_capacity_bytes` (``compat.py``).
+
+Design in one paragraph each:
+  * Layout: the contract's ``[batch, seq, heads, head_dim]`` is transposed to
+    ``[batch, heads, seq, head_dim]`` and padded (head_dim to 128 lanes, sequences to the block
+    multiples) outside the kernels; padded keys are hidden by the mask's ``kv_idx < kv_len``.
+  * Skipping: a per-outer-block schedule (``schedule.py``) is scalar-prefetched; index maps
+    read it so a step past a block's count names the block already resident (no DMA) and
+    ``pl.when`` skips its compute; the grid's reduction axis is as long as the longest list.
+    Segment ids add a run-time per-tile [min, max] overlap test computed in JAX.
+  * GQA/MQA: index maps send query head ``h`` to kv head ``h // group``; the dK/dV grid runs
+    over kv heads with the group's query heads as an ``arbitrary`` axis, so dK/dV are summed
+    in VMEM and K/V are never repeated.
+  * Backward: FlashAttention-2, a dQ kernel (kv loop) and a dK/dV kernel (q loop), with the
+    logsumexp saved as (max, log sum) for precision; see ``backward.py`` for the delta.
+
+Files: ``compat.py`` (JAX 0.7.2 vs 0.10.2), ``blocks.py``, ``schedule.py``, ``forward.py``,
+``backward.py``, ``kernel.py`` (custom VJP and options).
+"""
+
+from tpuattn import api
+from tpuattn.pallas import compat
+from tpuattn.pallas.backward import backward as flash_backward
+from tpuattn.pallas.blocks import (
+    BackwardBlocks,
+    BlockSizes,
+    ForwardBlocks,
+    backward_vmem_bytes,
+    default_block_sizes,
+    forward_vmem_bytes,
+)
+from tpuattn.pallas.compat import races_found, reset_races, vmem_capacity_bytes
+from tpuattn.pallas.forward import forward as flash_forward
+from tpuattn.pallas.kernel import OPTIONS, pallas_attention, resolve_interpret
+from tpuattn.pallas.schedule import (
+    Schedule,
+    ScheduleCounts,
+    build_schedule,
+    dkv_index_maps,
+    forward_index_maps,
+    kv_schedule,
+    position_map,
+    walk_grid,
+)
+
+__all__ = [
+    "OPTIONS",
+    "BackwardBlocks",
+    "BlockSizes",
+    "ForwardBlocks",
+    "Schedule",
+    "ScheduleCounts",
+    "backward_vmem_bytes",
+    "build_schedule",
+    "default_block_sizes",
+    "compat",
+    "dkv_index_maps",
+    "flash_backward",
+    "flash_forward",
+    "forward_index_maps",
+    "forward_vmem_bytes",
+    "kv_schedule",
+    "pallas_attention",
+    "position_map",
+    "races_found",
+    "reset_races",
+    "resolve_interpret",
+    "vmem_capacity_bytes",
+    "walk_grid",
+]
+
+api.register(
+    "pallas",
+    pallas_attention,
+    description="Pallas TPU flash attention (compiled on TPU, interpret mode elsewhere), custom VJP",
+)

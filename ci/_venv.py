@@ -1,0 +1,109 @@
+"""Create and reuse the CI virtual environments (standard library only).
+
+Two environments live at the repository root, each built from an exact pin file:
+
+* ``.venv``            JAX 0.10.2 plus the notebook and dev tools (``requirements/ci-jax0.10.2.txt``)
+* ``.venv-jax0.7.2``   JAX 0.7.2, Colab's TPU runtime, for the unit tests (``requirements/ci-jax0.7.2.txt``)
+
+The package is installed editable with ``--no-deps`` so an environment holds exactly its pin file.
+A stamp file records a hash of the pin file, the dependencies declared in ``pyproject.toml`` and the
+Python version; when any of them changes the environment is rebuilt from scratch. ``.venv`` also
+gets a Jupyter kernel named ``tpuattn`` (installed under the venv's prefix) that papermill uses, so
+notebooks always run on the venv's Python whatever kernels the user has installed elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_NAME = "tpuattn"
+
+
+class Env:
+    def __init__(self, name: str, pins: str, kernel: bool):
+        self.name = name
+        self.path = ROOT / name
+        self.pins = ROOT / "requirements" / pins
+        self.kernel = kernel
+
+    @property
+    def python(self) -> Path:
+        return self.path / "bin" / "python"
+
+    def bin(self, tool: str) -> Path:
+        return self.path / "bin" / tool
+
+    def _fingerprint(self) -> str:
+        """Pins, the package's declared dependencies and build system, and the Python version.
+
+        Only those parts of pyproject.toml: editing, say, the ruff settings must not rebuild the venvs
+        (the package is installed editable, so code changes need no reinstall either)."""
+        pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+        project = pyproject.get("project", {})
+        keys = ("dependencies", "optional-dependencies", "requires-python")
+        declared = {key: project.get(key) for key in keys}
+        declared["build-system"] = pyproject.get("build-system")
+        digest = hashlib.sha256(self.pins.read_bytes())
+        digest.update(json.dumps(declared, sort_keys=True).encode())
+        digest.update(sys.version.encode())
+        return digest.hexdigest()
+
+    @property
+    def _stamp(self) -> Path:
+        return self.path / ".tpuattn-stamp"
+
+    def is_current(self) -> bool:
+        return (self.python.exists() and self._stamp.exists()
+                and self._stamp.read_text().strip() == self._fingerprint())
+
+    def ensure(self) -> Env:
+        """Build the environment unless an up-to-date one exists; return self."""
+        if self.is_current():
+            return self
+        start = time.perf_counter()
+        print(f"[setup] building {self.name} from {self.pins.relative_to(ROOT)} (first use or pins changed)",
+              flush=True)
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        _run([sys.executable, "-m", "venv", str(self.path)])
+        pip = [str(self.python), "-m", "pip", "--disable-pip-version-check", "install", "--quiet"]
+        if os.environ.get("CI"):
+            pip.append("--progress-bar=off")
+        _run([*pip, "-r", str(self.pins)])
+        # Exactly the pins: the package itself adds no dependency (pip check below verifies the
+        # pins satisfy its ranges).
+        _run([*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)])
+        _run([str(self.python), "-m", "pip", "--disable-pip-version-check", "check"])
+        if self.kernel:
+            _run([str(self.python), "-m", "ipykernel", "install", "--sys-prefix", "--name", KERNEL_NAME,
+                  "--display-name", f"Python 3 (tpuattn {self.name})"])
+        self._stamp.write_text(self._fingerprint() + "\n")
+        print(f"[setup] {self.name} ready in {time.perf_counter() - start:.0f} s", flush=True)
+        return self
+
+
+MAIN = Env(".venv", "ci-jax0.10.2.txt", kernel=True)
+JAX_0_7 = Env(".venv-jax0.7.2", "ci-jax0.7.2.txt", kernel=False)
+
+
+def _run(cmd: list[str]) -> None:
+    result = subprocess.run(cmd, cwd=ROOT)
+    if result.returncode != 0:
+        sys.exit(f"[setup] failed ({result.returncode}): {' '.join(cmd)}")
+
+
+def reexec_in(env: Env) -> None:
+    """Re-run the calling script with ``env``'s Python unless it already is that Python."""
+    env.ensure()
+    if Path(sys.prefix).resolve() != env.path.resolve():
+        script = Path(sys.argv[0]).resolve()
+        os.execv(str(env.python), [str(env.python), str(script), *sys.argv[1:]])

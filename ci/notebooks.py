@@ -1,0 +1,163 @@
+"""Execute every notebook with papermill on the default backend; regenerate figures/.
+
+    python3 ci/notebooks.py                 # all notebooks -> out/notebooks/, figures/ regenerated
+    python3 ci/notebooks.py 01 03           # only notebooks whose name contains 01 or 03
+    python3 ci/notebooks.py -p RUN_BENCHMARKS True    # override a parameters-cell value
+    python3 ci/notebooks.py --update        # also write the outputs back into the committed .ipynb
+
+On first use it builds ``.venv`` from ``requirements/ci-jax0.10.2.txt`` (see ci/_venv.py) and re-runs
+itself inside it. Notebooks run from ``notebooks/`` (so ``../figures`` is the figures folder) on the
+venv's ``tpuattn`` kernel. The run ends with a table (notebook, seconds, status); a failing notebook
+fails the command and its cell is named.
+
+``--update`` is how committed notebooks get their outputs: the ``.py`` twin is the source; its cells
+are merged into the ``.ipynb`` (``jupytext --update`` keeps cell ids), executed, cleaned of
+papermill's traces (the ``injected-parameters`` cell, papermill/timing metadata, widget state, the
+CI kernel name), written back, and the ``.py`` twin is regenerated from it so the pair is in sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _venv  # noqa: E402
+
+ROOT = _venv.ROOT
+NOTEBOOKS = ROOT / "notebooks"
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
+def discover(patterns: list[str]) -> list[str]:
+    """Notebook stems ``NN_name`` that have a .py or .ipynb in notebooks/, filtered by substrings."""
+    stems = sorted({p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*") if p.suffix in (".py", ".ipynb")})
+    if patterns:
+        stems = [s for s in stems if any(pat in s for pat in patterns)]
+    return stems
+
+
+def jupytext(*args: str) -> None:
+    cmd = [str(_venv.MAIN.bin("jupytext")), "--quiet", *args]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"jupytext failed: {' '.join(cmd)}\n{result.stdout}{result.stderr}")
+
+
+def prepare_input(stem: str, scratch: Path, update: bool) -> Path:
+    """The notebook to execute: the committed .ipynb, or (``--update`` / no .ipynb) the .py's cells."""
+    ipynb, py = NOTEBOOKS / f"{stem}.ipynb", NOTEBOOKS / f"{stem}.py"
+    target = scratch / f"{stem}.ipynb"
+    if ipynb.exists() and not (update and py.exists()):
+        shutil.copyfile(ipynb, target)
+        return target
+    if ipynb.exists():
+        shutil.copyfile(ipynb, target)
+        jupytext("--to", "ipynb", "--update", "--output", str(target), str(py))
+    else:
+        jupytext("--to", "ipynb", "--output", str(target), str(py))
+    return target
+
+
+def clean(nb) -> None:
+    """Remove papermill's traces so the notebook can be committed and nbval-checked."""
+    nb.cells = [c for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
+    nb.metadata.pop("papermill", None)
+    # Widget state changes on every run (random model ids) and can hold whole images: not committed.
+    nb.metadata.pop("widgets", None)
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    for cell in nb.cells:
+        cell.metadata.pop("papermill", None)
+        cell.metadata.pop("execution", None)
+        if cell.cell_type == "code":
+            for output in cell.get("outputs", []):
+                output.get("metadata", {}).pop("papermill", None)
+
+
+def describe_failure(error, source_nb) -> str:
+    """'cell 7 (In [5]): <first line>' for a PapermillExecutionError, numbered as in the source notebook."""
+    first_line = next((line for line in error.source.splitlines() if line.strip()), "")
+    index = next((i for i, c in enumerate(source_nb.cells) if c.source == error.source), error.cell_index)
+    return (f"cell {index} (In [{error.exec_count}]): {first_line.strip()[:80]!r}\n"
+            f"    {error.ename}: {str(error.evalue).strip().splitlines()[0] if error.evalue else ''}")
+
+
+def parse_value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="run only notebooks whose name contains one of these")
+    parser.add_argument("--update", action="store_true",
+                        help="write outputs back into notebooks/*.ipynb and re-sync the .py twins")
+    parser.add_argument("--out", default="out/notebooks", help="folder for executed notebooks")
+    parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                        help="override a parameters-cell variable (Python literal)")
+    parser.add_argument("--cell-timeout", type=int, default=900, help="seconds per cell")
+    args = parser.parse_args()
+
+    _venv.reexec_in(_venv.MAIN)
+    import nbformat
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
+    stems = discover(args.names)
+    if not stems:
+        print(f"no notebooks matched {args.names} in {NOTEBOOKS}", file=sys.stderr)
+        return 1
+    out_dir = (ROOT / args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (ROOT / "figures").mkdir(exist_ok=True)
+    parameters = {name: parse_value(value) for name, value in args.parameter}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tpuattn-nb-") as tmp:
+        scratch = Path(tmp)
+        for n, stem in enumerate(stems, 1):
+            print(f"\n[{n}/{len(stems)}] {stem}", flush=True)
+            source = prepare_input(stem, scratch, args.update)
+            output = out_dir / f"{stem}.ipynb"
+            start = time.perf_counter()
+            status = "ok"
+            try:
+                pm.execute_notebook(str(source), str(output), parameters=parameters,
+                                    kernel_name=_venv.KERNEL_NAME, cwd=str(NOTEBOOKS), progress_bar=True,
+                                    execution_timeout=args.cell_timeout)
+            except PapermillExecutionError as error:
+                status = "FAILED " + describe_failure(error, nbformat.read(source, as_version=4))
+            except Exception as error:  # kernel died, timeout, bad notebook...
+                status = f"FAILED {type(error).__name__}: {str(error).strip()[:200]}"
+            seconds = time.perf_counter() - start
+            print(f"[{n}/{len(stems)}] {stem}: {status} ({seconds:.1f} s)", flush=True)
+            if status == "ok" and args.update:
+                nb = nbformat.read(output, as_version=4)
+                clean(nb)
+                nbformat.write(nb, NOTEBOOKS / f"{stem}.ipynb")
+                jupytext("--to", "py:percent", str(NOTEBOOKS / f"{stem}.ipynb"))
+                print(f"    updated notebooks/{stem}.ipynb and notebooks/{stem}.py", flush=True)
+            rows.append((stem, seconds, status))
+
+    width = max(len(s) for s, _, _ in rows)
+    print(f"\n{'notebook':<{width}}  {'seconds':>8}  status")
+    print(f"{'-' * width}  {'-' * 8}  ------")
+    for stem, seconds, status in rows:
+        print(f"{stem:<{width}}  {seconds:8.1f}  {status}")
+    total = sum(s for _, s, _ in rows)
+    failed = [stem for stem, _, status in rows if status != "ok"]
+    print(f"{'total':<{width}}  {total:8.1f}  {len(rows) - len(failed)} ok, {len(failed)} failed")
+    print(f"executed notebooks: {os.path.relpath(out_dir, ROOT)}/   figures: figures/")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,558 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Naive attention: the formula, a stable softmax, masks, and the memory it costs
+#
+# Attention is three lines of linear algebra. Written the obvious way it builds a score matrix with
+# one entry per (query, key) pair, and that matrix, not the arithmetic, is what stops long sequences
+# from running. This notebook answers: **what exactly does `attention(q, k, v)` compute, with which
+# masks, and at what sequence length does the obvious implementation stop fitting on a TPU?**
+#
+# **What you'll do**
+# - write attention from its formula and check it against a float64 NumPy version;
+# - see the naive softmax overflow at logits around 1000, and fix it;
+# - build the masks this project supports (causal, sliding window, segments) and GQA, and see why
+#   `causal=True` here (bottom-right) differs from `jax.nn.dot_product_attention` (top-left) when
+#   `q_len != kv_len`;
+# - measure the memory the score matrix takes on this machine, and compute when it outgrows a TPU's HBM.
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/01_naive_attention.ipynb)
+
+# %%
+# On Colab, install the package (and matplotlib/ipywidgets extras); elsewhere this does nothing.
+import subprocess
+import sys
+
+if "google.colab" in sys.modules:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "tpuattn[notebooks] @ git+https://github.com/tpuattn/tpuattn"], check=True)
+
+# %% tags=["nbval-ignore-output"]
+import tpuattn
+from tpuattn import platform
+
+PLATFORM = platform.info()
+print(PLATFORM.summary())
+
+# %% tags=["parameters"]
+SEED = 0
+# Small problem for the checks: [batch, seq, heads, head_dim].
+BATCH, SEQ_LEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 2, 48, 4, 2, 32
+# Sequence lengths at which the reference's peak memory is measured (one child process each), with
+# MEASURE_HEADS heads of head_dim 16: the score matrix must dwarf the JAX runtime's own few hundred MiB;
+# a small head_dim keeps the arithmetic (not the scores) cheap.
+MEASURE_LENGTHS = [1536, 2048, 2560]
+MEASURE_HEADS = 32
+RUN_MEMORY = True
+# The model whose score matrix we size for a TPU: batch 1, 32 heads, float32 scores.
+MODEL_BATCH, MODEL_HEADS = 1, 32
+
+# %%
+import math
+
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+
+from tpuattn import plots
+from tpuattn.masks import MaskSpec
+
+plots.use_style()
+rng = np.random.default_rng(SEED)
+
+# %% [markdown]
+# ## 1. The formula
+#
+# For one batch element and one head, with queries $Q \in \mathbb{R}^{T_q \times d}$ and keys and
+# values $K, V \in \mathbb{R}^{T_k \times d}$:
+#
+# $$ S = s\,QK^\top \in \mathbb{R}^{T_q \times T_k}, \qquad P = \operatorname{softmax}_{\text{row}}(S),
+# \qquad O = PV \in \mathbb{R}^{T_q \times d}, $$
+#
+# with scale $s = 1/\sqrt{d}$ by default. Row $i$ of $O$ is a weighted average of the value rows,
+# weighted by how well query $i$ matches each key. Arrays here are laid out
+# `[batch, seq, heads, head_dim]`, as in `jax.nn.dot_product_attention`.
+#
+# First, the yardstick: a float64 NumPy version, written for clarity, loops over batch and heads.
+# It takes a boolean `visible[b, i, j]` mask (we build masks in section 3) and maps query head `h`
+# to key/value head `h // group` (GQA, section 3.4). A row that sees no key returns zeros.
+
+
+# %%
+def numpy_attention(q, k, v, visible=None, scale=None):
+    """Float64 attention, one (batch, head) at a time. visible: bool [batch, q_len, kv_len] or None."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, q_len, heads, dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(dim) if scale is None else scale
+    group = heads // kv_heads
+    out = np.zeros(q.shape)
+    for b in range(batch):
+        for h in range(heads):
+            s = scale * q[b, :, h] @ k[b, :, h // group].T  # [q_len, kv_len]
+            keep = np.ones((q_len, kv_len), bool) if visible is None else visible[b]
+            s = np.where(keep, s, -np.inf)
+            row_max = s.max(axis=1, keepdims=True)
+            row_max[~np.isfinite(row_max)] = 0.0  # rows that see nothing
+            p = np.where(keep, np.exp(s - row_max), 0.0)
+            total = p.sum(axis=1, keepdims=True)
+            out[b, :, h] = (p / np.where(total > 0, total, 1.0)) @ v[b, :, h // group]
+    return out
+
+
+def random_qkv(q_len=SEQ_LEN, kv_len=SEQ_LEN, heads=NUM_HEADS, kv_heads=NUM_HEADS, scale=1.0):
+    q = scale * rng.standard_normal((BATCH, q_len, heads, HEAD_DIM)).astype(np.float32)
+    k = scale * rng.standard_normal((BATCH, kv_len, kv_heads, HEAD_DIM)).astype(np.float32)
+    v = rng.standard_normal((BATCH, kv_len, kv_heads, HEAD_DIM)).astype(np.float32)
+    return q, k, v
+
+
+# %% [markdown]
+# Now the same formula in JAX, exactly as written: one `einsum` for the scores, `jax.nn.softmax`,
+# one `einsum` for the output. (`precision=HIGHEST` asks TPUs for full float32 matmuls; they default
+# to faster bfloat16 passes.)
+
+
+# %%
+def naive_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v for [batch, seq, heads, head_dim] arrays with equal head counts."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
+
+
+q, k, v = random_qkv()
+out = naive_attention(q, k, v)
+# float32 against float64: each output is a sum of SEQ_LEN products of O(1) numbers, so rounding
+# errors are a few float32 ulps (~1e-7 relative); 2e-5 leaves room without hiding a real bug.
+np.testing.assert_allclose(out, numpy_attention(q, k, v), atol=2e-5, rtol=2e-5)
+print("naive_attention matches the float64 NumPy version:", out.shape, out.dtype)
+
+# %% [markdown]
+# ## 2. The softmax has to be stable
+#
+# `jax.nn.softmax` hides a detail that every kernel in this project has to write out by hand.
+# Written straight from its definition, $\operatorname{softmax}(s)_j = e^{s_j} / \sum_l e^{s_l}$
+# overflows as soon as a logit passes about 88 in float32 (`exp(88.7)` is the largest float32),
+# about 709 in float64. Logits that large are not exotic: they appear when queries and keys grow
+# in norm during training, which is why some models cap them (`softcap`, see the exercises).
+
+
+# %%
+def softmax_naive(s):
+    e = jnp.exp(s)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def softmax_stable(s):
+    # softmax(s) == softmax(s - c) for any constant c: subtracting the row max makes every
+    # exponent <= 0, so exp never overflows and the largest term is exactly 1.
+    m = s.max(axis=-1, keepdims=True)
+    e = jnp.exp(s - m)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+logits = jnp.array([1000.0, 999.0, 998.0])
+print("exp(logits)          :", jnp.exp(logits))
+print("naive softmax        :", softmax_naive(logits))
+print("stable softmax       :", softmax_stable(logits))
+with np.errstate(over="ignore", invalid="ignore"):  # NumPy would warn about the overflow we want to show
+    e64 = np.exp(np.float64(1000.0))
+    print("float64 NumPy, naive :", e64 / e64, "(overflows too)")
+
+# %%
+# Check the stable version against float64 on logits of magnitude ~1e3, where the naive one is NaN.
+big = jnp.asarray(rng.uniform(-1000, 1000, size=(4, 16)).astype(np.float32))
+s64 = np.asarray(big, np.float64)
+want = np.exp(s64 - s64.max(axis=-1, keepdims=True))
+want /= want.sum(axis=-1, keepdims=True)
+assert bool(jnp.isnan(softmax_naive(big)).any())
+# Relative to 1 (the largest probability), float32 rounding of logits ~1e3 is ~6e-5 absolute in the
+# exponent; the probabilities themselves are in [0, 1].
+np.testing.assert_allclose(softmax_stable(big), want, atol=1e-4)
+print("stable softmax matches float64 on logits of magnitude 1e3; the naive one gives NaN")
+
+# %% [markdown]
+# `tpuattn`'s reference implementation does the same: it stops the gradient through the max (the
+# softmax does not depend on it) and replaces the max of a row that sees no key (`-inf`) by 0, so
+# that row gives zeros instead of `exp(-inf - -inf) = NaN`. With it the same large-logit input is
+# fine end to end:
+
+# %%
+q, k, v = random_qkv(scale=6.0)  # |logits| up to ~1e3 with head_dim 32
+out = tpuattn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), impl="reference")
+max_logit = float(np.abs(np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(HEAD_DIM)).max())
+print(f"max |logit| in this batch: {max_logit:.0f}")
+# Large logits make rows nearly one-hot; float32 rounding of logits ~1e3 moves each weight by up to
+# ~1e-4 relative, so compare with a looser 1e-3.
+np.testing.assert_allclose(out, numpy_attention(q, k, v), atol=1e-3, rtol=1e-3)
+print("reference attention is finite and matches float64 on large logits")
+
+# %% [markdown]
+# ## 3. Masks
+#
+# A mask says which keys a query may see. The contract (`tpuattn.attention`) places query `i` at
+# key position $p_i = i + (T_k - T_q)$: **bottom-right alignment**. When $T_q = T_k$ that is just
+# $p_i = i$. When there are fewer queries than keys (decoding with a cache, chunked prefill) the
+# last query sits at the last key, so a single decoding query sees the whole cache.
+#
+# | mask | keeps key `j` for query `i` when |
+# |---|---|
+# | `causal=True` | $j \le p_i$ |
+# | `window=(left, right)` | $p_i - \text{left} \le j \le p_i + \text{right}$ (an int `w` means `(w, w)`) |
+# | `segment_ids` | key `j` is in the same segment as query `i` (packed sequences) |
+#
+# All given masks combine with AND. Here they are written from that table in NumPy; then we check
+# that `tpuattn.masks.MaskSpec`, which every implementation uses, agrees.
+
+
+# %%
+def numpy_mask(q_len, kv_len, causal=False, window=None, q_seg=None, kv_seg=None):
+    """bool [q_len, kv_len] from the table above (bottom-right alignment)."""
+    pos = np.arange(q_len)[:, None] + (kv_len - q_len)
+    j = np.arange(kv_len)[None, :]
+    keep = np.ones((q_len, kv_len), bool)
+    if causal:
+        keep &= j <= pos
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        keep &= (j >= pos - left) & (j <= pos + right)
+    if q_seg is not None:
+        keep &= np.asarray(q_seg)[:, None] == np.asarray(kv_seg)[None, :]
+    return keep
+
+
+def package_mask(q_len, kv_len, **kwargs):
+    spec = MaskSpec(q_len, kv_len, causal=kwargs.get("causal", False), window=kwargs.get("window"))
+    vis = spec.visible(np.arange(q_len)[:, None], np.arange(kv_len)[None, :])
+    return np.broadcast_to(vis, (q_len, kv_len))
+
+
+segments = np.repeat([0, 1, 2], [5, 3, 4])  # three packed sequences of lengths 5, 3, 4
+examples = {
+    "causal, 12 x 12": numpy_mask(12, 12, causal=True),
+    "causal, 4 queries x 12 keys\n(bottom-right: tpuattn)": numpy_mask(4, 12, causal=True),
+    "is_causal, 4 queries x 12 keys\n(top-left: jax.nn)": np.tril(np.ones((4, 12), bool)),
+    "window (3, 0), 12 x 12\n(sliding window, causal)": numpy_mask(12, 12, window=(3, 0)),
+    "segments 5|3|4 + causal": numpy_mask(12, 12, causal=True, q_seg=segments, kv_seg=segments),
+}
+for kwargs in ({"causal": True}, {"window": (3, 0)}, {"window": (2, 1), "causal": True}):
+    for q_len, kv_len in ((12, 12), (4, 12), (12, 4)):
+        np.testing.assert_array_equal(package_mask(q_len, kv_len, **kwargs),
+                                      numpy_mask(q_len, kv_len, **kwargs))
+print("tpuattn.masks.MaskSpec agrees with the table on", 9, "mask/shape combinations")
+
+fig, axes = plt.subplots(1, len(examples), figsize=(16, 3.4))
+for ax, (title, mask) in zip(axes, examples.items(), strict=True):
+    plots.show_mask(ax, mask, title=title)
+fig.suptitle("Which keys each query sees (dark = visible)", y=1.04)
+plots.save_figure(fig, "01_masks")
+plt.show()
+
+# %% [markdown]
+# ### 3.1 Bottom-right here, top-left in `jax.nn.dot_product_attention`
+#
+# `jax.nn.dot_product_attention(..., is_causal=True)` builds its causal mask as a lower-triangular
+# matrix anchored at the **top-left**: query `i` sees keys `j <= i` whatever the lengths. With
+# $T_q = T_k$ both conventions agree. With 4 queries and 12 keys they do not: top-left lets the
+# last query see only 4 keys, bottom-right lets it see all 12. Which one is right depends on where
+# the queries are: for queries that *follow* a cache (decoding), it is bottom-right.
+
+# %%
+q, k, v = random_qkv(q_len=4, kv_len=12)
+jq, jk, jv = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+top_left = np.tril(np.ones((4, 12), bool))
+bottom_right = numpy_mask(4, 12, causal=True)
+
+ours = tpuattn.attention(jq, jk, jv, causal=True, impl="reference")
+theirs = jax.nn.dot_product_attention(jq, jk, jv, is_causal=True)
+np.testing.assert_allclose(ours, numpy_attention(q, k, v, np.broadcast_to(bottom_right, (BATCH, 4, 12))),
+                           atol=2e-5, rtol=2e-5)
+np.testing.assert_allclose(theirs, numpy_attention(q, k, v, np.broadcast_to(top_left, (BATCH, 4, 12))),
+                           atol=2e-5, rtol=2e-5)
+print("tpuattn causal == float64 with the bottom-right mask")
+print("jax.nn causal  == float64 with the top-left mask")
+print("largest difference between the two:", f"{float(jnp.abs(ours - theirs).max()):.2f}")
+# Equal lengths: the two conventions coincide.
+q, k, v = (jnp.asarray(x) for x in random_qkv())
+np.testing.assert_allclose(tpuattn.attention(q, k, v, causal=True, impl="reference"),
+                           jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=2e-5, rtol=2e-5)
+print("with q_len == kv_len they agree")
+
+# %% [markdown]
+# ### 3.2 Masks end to end, and rows that see nothing
+#
+# A query whose segment has no key (below: query segment 3 never appears among the keys), or that
+# sits before key 0 under a causal mask when $T_q > T_k$, sees nothing. The contract returns zeros
+# for such a row, never NaN. Each case below runs through `tpuattn.attention` and is checked
+# against the float64 NumPy version with the mask built from the table.
+
+# %%
+cases = [
+    dict(q_len=SEQ_LEN, kv_len=SEQ_LEN, causal=True),
+    dict(q_len=16, kv_len=SEQ_LEN, causal=True),
+    dict(q_len=SEQ_LEN, kv_len=16, causal=True),  # the first 32 queries see nothing
+    dict(q_len=SEQ_LEN, kv_len=SEQ_LEN, window=(8, 0)),
+    dict(q_len=SEQ_LEN, kv_len=SEQ_LEN, window=(4, 4), causal=True),
+    dict(q_len=SEQ_LEN, kv_len=SEQ_LEN, causal=True, segments=True),
+]
+for case in cases:
+    q_len, kv_len = case["q_len"], case["kv_len"]
+    q, k, v = random_qkv(q_len, kv_len)
+    kwargs, visible = {}, np.empty((BATCH, q_len, kv_len), bool)
+    q_seg = kv_seg = None
+    if case.get("segments"):
+        q_seg = np.sort(rng.integers(0, 4, (BATCH, q_len)), axis=1).astype(np.int32)
+        kv_seg = np.minimum(q_seg, 2)  # keys have segments 0..2: queries of segment 3 see nothing
+        kwargs["segment_ids"] = (jnp.asarray(q_seg), jnp.asarray(kv_seg))
+    for b in range(BATCH):
+        visible[b] = numpy_mask(q_len, kv_len, case.get("causal", False), case.get("window"),
+                                None if q_seg is None else q_seg[b], None if kv_seg is None else kv_seg[b])
+    out = tpuattn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=case.get("causal", False),
+                            window=case.get("window"), impl="reference", **kwargs)
+    np.testing.assert_allclose(out, numpy_attention(q, k, v, visible), atol=2e-5, rtol=2e-5)
+    blind = ~visible.any(axis=2)
+    assert np.all(np.asarray(out)[blind] == 0.0) and np.isfinite(np.asarray(out)).all()
+    label = ", ".join(f"{key}={value}" for key, value in case.items())
+    print(f"ok  {label:<60} rows that see nothing: {int(blind.sum())}")
+
+# %% [markdown]
+# ### 3.3 A mask explorer
+#
+# Move the sliders (in a live notebook) to see how lengths, causality and the window combine.
+
+# %% tags=["nbval-ignore-output"]
+try:
+    import ipywidgets as widgets
+
+    def explore(q_len=8, kv_len=16, causal=True, left=16, right=16):
+        fig, ax = plt.subplots(figsize=(4.5, 3))
+        plots.show_mask(ax, numpy_mask(q_len, kv_len, causal, (left, right)),
+                        title=f"q_len={q_len}, kv_len={kv_len}, causal={causal}, window=({left}, {right})")
+        plt.show()
+
+    widgets.interact(explore, q_len=(1, 24), kv_len=(1, 24), causal=True, left=(0, 24), right=(0, 24))
+except ImportError:
+    print("pip install ipywidgets for the interactive explorer")
+
+# %% [markdown]
+# ### 3.4 Grouped-query attention (GQA)
+#
+# Keys and values may have fewer heads than queries: with `num_q_heads = 4` and `num_kv_heads = 2`
+# each K/V head serves a *group* of 2 query heads; query head `h` reads K/V head `h // 2`. MQA is the
+# extreme, one K/V head for all. The K/V cache shrinks by the group size, the score matrix does not:
+# every query head still gets its own `[T_q, T_k]` scores.
+
+# %%
+q, k, v = random_qkv(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS)
+group = NUM_HEADS // NUM_KV_HEADS
+print("query head -> kv head:", {h: h // group for h in range(NUM_HEADS)})
+out = tpuattn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, impl="reference")
+visible = np.broadcast_to(numpy_mask(SEQ_LEN, SEQ_LEN, causal=True), (BATCH, SEQ_LEN, SEQ_LEN))
+np.testing.assert_allclose(out, numpy_attention(q, k, v, visible), atol=2e-5, rtol=2e-5)
+# Same thing as repeating each kv head `group` times and running plain multi-head attention.
+k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+np.testing.assert_allclose(out, numpy_attention(q, k_rep, v_rep, visible), atol=2e-5, rtol=2e-5)
+np.testing.assert_allclose(out, jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=2e-5, rtol=2e-5)
+print(f"GQA ({NUM_HEADS} query heads, {NUM_KV_HEADS} kv heads) matches float64, repeated heads and jax.nn")
+
+# %% [markdown]
+# ## 4. The score matrix's memory
+#
+# The naive implementation stores $S$ (and the probabilities $P$, same shape) for every batch element
+# and head: $B \cdot H \cdot T_q \cdot T_k$ floats. In float32, with $T_q = T_k = T$, that is
+# $4BHT^2$ bytes, **quadratic in the sequence length** while Q, K, V and O grow linearly.
+#
+# ### 4.1 Measured on this machine
+#
+# `tpuattn.memory.measure_peak_memory` runs one forward call of the reference in a fresh process
+# and reports the process's peak resident memory minus what it held before the call (batch 1,
+# `MEASURE_HEADS` heads, head_dim 16, float32). Beside it, the bytes of one float32 score matrix.
+
+# %% tags=["nbval-ignore-output"]
+from tpuattn.memory import measure_peak_memory
+
+MIB = 2**20
+measured = []
+if RUN_MEMORY:
+    print(f"{'seq_len':>8} {'call peak MiB':>14} {'one score matrix MiB':>21}   "
+          f"({plots.backend_label(measured=True)})")
+    for seq_len in MEASURE_LENGTHS:
+        peak = measure_peak_memory("reference", seq_len, mode="fwd", heads=MEASURE_HEADS, head_dim=16)
+        scores_mib = 1 * MEASURE_HEADS * seq_len * seq_len * 4 / MIB
+        measured.append((seq_len, peak.call_mib if peak.ok else float("nan"), scores_mib))
+        note = "" if peak.ok else f"  failed: {peak.error}"
+        print(f"{seq_len:>8} {measured[-1][1]:>14.0f} {scores_mib:>21.0f}{note}")
+
+# %% [markdown]
+# The call's peak follows the score matrix: doubling $T$ roughly quadruples it. XLA fuses the
+# softmax, so the peak is a small multiple of one score matrix (scores and probabilities) rather than
+# one copy per operation. At the shortest length the reading can fall below that: the measurement is
+# a maximum resident size, and part of a small call hides under the peak the JAX runtime itself
+# reached while starting up.
+#
+# ### 4.2 Computed for a TPU's HBM
+#
+# Now size the score matrix of a model with `MODEL_BATCH` sequences and `MODEL_HEADS` heads in
+# float32 against the HBM of one TPU chip (capacities from `tpuattn.roofline`, Google Cloud's
+# published numbers). This is a *lower bound* on what the naive forward needs: the weights, the
+# activations, $P$ for the backward pass all come on top.
+
+# %%
+from tpuattn import roofline
+
+GIB = 2**30
+chips = {name: roofline.chip_spec(name, source="published").hbm_capacity for name in ("v5e", "v6e", "v5p")}
+
+
+def scores_bytes(seq_len, batch=MODEL_BATCH, heads=MODEL_HEADS, bytes_per_element=4):
+    return batch * heads * seq_len * seq_len * bytes_per_element
+
+
+def longest_fitting(capacity, batch=MODEL_BATCH, heads=MODEL_HEADS, bytes_per_element=4):
+    """Largest T with batch * heads * T^2 * bytes <= capacity."""
+    return math.isqrt(int(capacity // (batch * heads * bytes_per_element)))
+
+
+print(f"float32 scores of batch {MODEL_BATCH} x {MODEL_HEADS} heads (modelled)")
+print(f"{'seq_len':>8} {'scores GiB':>11}  " + "  ".join(f"{'fits ' + n:>9}" for n in chips))
+for seq_len in (2048, 4096, 8192, 16384, 32768, 65536, 131072):
+    gib = scores_bytes(seq_len) / GIB
+    fits = "  ".join(f"{'yes' if scores_bytes(seq_len) <= cap else 'NO':>9}" for cap in chips.values())
+    print(f"{seq_len:>8} {gib:>11.1f}  {fits}")
+print()
+for name, capacity in chips.items():
+    print(f"TPU {name}: {capacity / GIB:5.1f} GiB HBM -> the score matrix alone stops fitting "
+          f"above T = {longest_fitting(capacity):,}")
+
+# %%
+fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.2))
+if measured:
+    lengths, call_mib, score_mib = (np.array(col) for col in zip(*measured, strict=True))
+    ax_m.plot(lengths, call_mib, "o-", label="reference forward: call peak (measured)")
+    ax_m.plot(lengths, score_mib, "s--", label="one float32 score matrix (computed)")
+    ax_m.set_xticks(lengths)
+    ax_m.set_ylim(bottom=0)
+    ax_m.legend()
+else:
+    ax_m.text(0.5, 0.5, "RUN_MEMORY = False", ha="center", transform=ax_m.transAxes)
+ax_m.set_xlabel("sequence length T")
+ax_m.set_ylabel("MiB")
+ax_m.set_title(plots.labelled(f"Peak memory of naive attention, batch 1 x {MEASURE_HEADS} heads x d 16",
+                              measured=True))
+
+t = np.logspace(np.log2(1024), np.log2(262144), 60, base=2)
+ax_t.plot(t, scores_bytes(t) / GIB, label=f"scores, batch {MODEL_BATCH} x {MODEL_HEADS} heads, float32")
+for (name, capacity), style in zip(chips.items(), (":", "--", "-."), strict=True):
+    ax_t.axhline(capacity / GIB, color="gray", linestyle=style,
+                 label=f"TPU {name} HBM ({capacity / GIB:.0f} GiB)")
+    ax_t.axvline(longest_fitting(capacity), color="gray", linestyle=style, alpha=0.5)
+ax_t.set_xscale("log", base=2)
+ax_t.set_yscale("log", base=2)
+ax_t.set_xlabel("sequence length T")
+ax_t.set_ylabel("GiB")
+ax_t.set_title(plots.labelled("Score matrix vs one chip's HBM", measured=False, chip="TPU v5e / v6e / v5p"))
+ax_t.legend(fontsize=8)
+plots.save_figure(fig, "01_memory")
+plt.show()
+
+# %% [markdown]
+# > **Takeaway.** Attention is `softmax(s * q k^T) v`; everything else in this project computes
+# > exactly that, to within float32 rounding of this notebook's float64 version.
+#
+# > **Takeaway.** Always subtract the row max before `exp`: float32 overflows at logits above ~88.
+# > A row that sees no key must give zeros, which takes one more guard (max of nothing is `-inf`).
+#
+# > **Takeaway.** Masks are positions compared with positions. Here causal is aligned bottom-right
+# > (query `i` sits at key `i + kv_len - q_len`), unlike `jax.nn.dot_product_attention`'s top-left;
+# > the two agree only when `q_len == kv_len`.
+#
+# > **Takeaway.** The score matrix costs $4BHT^2$ bytes: at batch 1 and 32 heads it outgrows a v5e's
+# > 16 GiB at about T = 11.6k and a v5p's 95 GB at about 27k, before a single weight is stored.
+# > Notebook 02 computes the same result without ever storing it.
+#
+# ## Exercises
+#
+# Each stub raises `NotImplementedError`; fill it in and re-run its cell. Solutions are at the end.
+#
+# 1. **Softcap.** Gemma-style models replace each logit $s$ by $c \tanh(s / c)$ so it never exceeds
+#    $c$. Write `softcapped_attention(q, k, v, cap)` (no masks, equal head counts); it is checked
+#    against `tpuattn.attention(..., softcap=cap)`.
+# 2. **Decoding.** Write `decode_visible(kv_len, window)`: the boolean `[kv_len]` row of keys a
+#    single new query sees with `causal=True` and a left window `window` (bottom-right alignment).
+# 3. **Budget.** Using `scores_bytes`, find the largest batch for which float32 scores of 32 heads at
+#    T = 4096 fit in half of a v6e's HBM.
+
+
+# %%
+def softcapped_attention(q, k, v, cap):
+    raise NotImplementedError("FILL ME IN")
+
+
+def decode_visible(kv_len, window):
+    raise NotImplementedError("FILL ME IN")
+
+
+def largest_batch():
+    raise NotImplementedError("FILL ME IN")
+
+
+def check_exercises():
+    q, k, v = (jnp.asarray(x) for x in random_qkv(scale=3.0))
+    checks = {
+        "1 softcap": lambda: np.testing.assert_allclose(
+            softcapped_attention(q, k, v, 20.0), tpuattn.attention(q, k, v, softcap=20.0, impl="reference"),
+            atol=2e-5, rtol=2e-5),
+        "2 decoding": lambda: np.testing.assert_array_equal(
+            decode_visible(10, 3), numpy_mask(1, 10, causal=True, window=(3, 0))[0]),
+        "3 budget": lambda: assert_budget(largest_batch()),
+    }
+    for name, check in checks.items():
+        try:
+            check()
+            print(f"exercise {name}: correct")
+        except NotImplementedError:
+            print(f"exercise {name}: not done yet (hint: see the markdown above the stubs)")
+
+
+def assert_budget(batch):
+    half = chips["v6e"] / 2
+    assert scores_bytes(4096, batch=batch) <= half < scores_bytes(4096, batch=batch + 1), batch
+
+
+check_exercises()
+
+# %% [markdown]
+# <details><summary>Solutions</summary>
+#
+# ```python
+# def softcapped_attention(q, k, v, cap):
+#     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / math.sqrt(q.shape[-1])
+#     s = cap * jnp.tanh(s / cap)            # after scaling, before the softmax (and masks)
+#     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+#
+# def decode_visible(kv_len, window):
+#     pos = kv_len - 1                       # one query: p_0 = 0 + kv_len - 1
+#     j = np.arange(kv_len)
+#     return (j <= pos) & (j >= pos - window)
+#
+# def largest_batch():
+#     half = chips["v6e"] / 2                # 16e9 bytes
+#     return int(half // scores_bytes(4096, batch=1))   # 2 GiB per sequence -> 7
+# ```
+# </details>

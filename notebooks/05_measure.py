@@ -1,0 +1,494 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · Measure: timing, TFLOP/s, memory, and the roofline they should be read against
+#
+# Four notebooks built four ways to compute the same attention. Which one is fastest depends on the
+# chip, the sequence length, the dtype and the mask, and a single number from a single machine
+# decides nothing. This notebook answers: **how do you measure attention so that the numbers mean
+# something, and how close can each implementation's schedule get to what a TPU can do?** It
+# measures every implementation available here with the package's benchmark (`tpuattn.bench`,
+# the same code as `python -m tpuattn.bench`), then *models* the TPU generations with
+# `tpuattn.roofline`: FLOPs and HBM bytes of each schedule, the bound that applies, and the
+# sequence length at which materialising the scores stops fitting on the chip.
+#
+# **What you'll do**
+# - benchmark every implementation, forward and forward+backward, with compile time kept apart,
+#   warm-up, the median and spread of repeats, TFLOP/s from the standard count, and peak memory;
+# - see why interpret-mode timings (Pallas kernels off a TPU) are labelled and never turned into
+#   TFLOP/s;
+# - build the roofline of TPU v4, v5e, v5p and v6e, place each implementation's schedule on it, and
+#   read off its bound and predicted time from 4k to 32k tokens;
+# - find the crossover lengths: where materialised scores outgrow HBM, and where a fused kernel
+#   without the online softmax would outgrow VMEM;
+# - on a TPU runtime: the fraction of the roofline each measured run achieves.
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/05_measure.ipynb)
+
+# %%
+# On Colab, install the package (and matplotlib/ipywidgets/tqdm extras); elsewhere this does nothing.
+import subprocess
+import sys
+
+if "google.colab" in sys.modules:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "tpuattn[notebooks] @ git+https://github.com/tpuattn/tpuattn"], check=True)
+
+# %% tags=["nbval-ignore-output"]
+import tpuattn
+from tpuattn import platform
+
+PLATFORM = platform.info()
+print(PLATFORM.summary())
+
+# %% tags=["parameters"]
+# Measured sweep (shape [batch, seq, heads, head_dim]); small on CPU, larger on a TPU.
+SEQ_LENS = [256, 512]
+TPU_SEQ_LENS = [1024, 2048, 4096, 8192]  # used instead of SEQ_LENS on a TPU runtime
+MODES = ["fwd", "fwd+bwd"]
+CAUSAL = [True]  # [False, True] measures both (twice the rows)
+BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 4, 4, 64
+DTYPE = ""  # "" = bfloat16 on a TPU, float32 elsewhere (bf16 matmuls are emulated on CPU)
+REPEATS = 3
+IMPLS = "all"  # or a list such as ["reference", "blockwise"]
+# Interpret-mode kernels (pallas, splash off a TPU) are slow and their times are not kernel speed:
+# a short sweep shows the label and checks they run.
+INTERPRET_SEQ_LENS = [128]
+# Peak memory: one child process per row on CPU (~3 s each), forward, not causal.
+MEASURE_MEMORY = True
+MEMORY_IMPLS = ["reference", "blockwise"]
+MEMORY_SEQ_LENS = [1024, 2048]
+MEMORY_HEADS = 8
+# The modelled problem: one long-context layer, bf16.
+MODEL_SEQ_LENS = [4096, 8192, 16384, 32768]
+MODEL_BATCH, MODEL_HEADS, MODEL_HEAD_DIM, MODEL_DTYPE = 1, 8, 128, "bfloat16"
+OUT_DIR = "../out/05"
+PROGRESS = False  # True shows a progress bar (tqdm) while the sweeps run
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from tpuattn import bench, bench_plots, plots, roofline
+
+plots.use_style()
+on_tpu = PLATFORM.on_tpu
+dtype = DTYPE or ("bfloat16" if on_tpu else "float32")
+seq_lens = TPU_SEQ_LENS if on_tpu else SEQ_LENS
+available = list(tpuattn.implementations()) if IMPLS == "all" else list(IMPLS)
+compiled_impls = [name for name in available if not bench.runs_interpreted(name)]
+interpreted_impls = [name for name in available if bench.runs_interpreted(name)]
+print(f"compiled here: {compiled_impls}; interpret mode here: {interpreted_impls or 'none'}")
+
+# %% [markdown]
+# ## 1. What a benchmark row is
+#
+# `tpuattn.bench.run` takes implementations, shapes and modes and returns one row per combination.
+# Each row is produced the same way (`tpuattn.timing.time_jitted`):
+#
+# 1. **compile separately**: `jax.jit(f).lower(q, k, v).compile()` is timed on its own
+#    (`compile_s`); compilation is often 100x one call and must not leak into the steady state;
+# 2. **warm up**: one call is run and discarded (first-call allocations, caches);
+# 3. **repeat and synchronise**: each timed call ends with `jax.block_until_ready`; JAX dispatches
+#    asynchronously, so without it you time the dispatch, not the work;
+# 4. **report the median and the spread** `(max - min) / median`: the median ignores a stray slow
+#    run; a large spread says the machine was busy and the row should be re-run.
+#
+# `fwd+bwd` times `jax.grad` of `sum(attention(q, k, v))` with respect to q, k and v, which runs
+# the forward too. TFLOP/s uses the **standard count**, the convention FlashAttention's and
+# Triton's benchmarks use, so numbers compare across implementations and papers:
+#
+# $$ F_\text{fwd} = 4\,B\,H\,T_q\,T_k\,D \;(\times \tfrac12 \text{ if causal}), \qquad
+#    F_\text{fwd+bwd} = (1 + 2.5)\,F_\text{fwd}. $$
+#
+# The 4 is two matmuls ($QK^\top$ and $PV$) of one multiply and one add each; the backward is five
+# such matmuls ($dV$, $dP$, $dQ$, $dK$ and the recomputed $S$), hence 2.5. It is a convention, not
+# the work a schedule executes: a causal kernel with square blocks computes its diagonal tiles
+# whole, and the materialised reference skips nothing. Section 3 counts the executed work.
+
+# %%
+flops = bench.attention_flops(batch=1, heads=8, q_len=4096, kv_len=4096, head_dim=128, causal=True,
+                              mode="fwd+bwd")
+assert flops == 4 * 8 * 4096 * 4096 * 128 * 0.5 * 3.5
+print(f"causal fwd+bwd, 8 heads x 4096 tokens x d 128: {flops / 1e12:.3f} TFLOP (standard count)")
+
+# %% [markdown]
+# **Interpret mode is not kernel speed.** Off a TPU, the Pallas kernels (`pallas`, `splash`) run
+# in interpret mode: each grid step is executed as ordinary JAX operations on the host. That is
+# how this course runs and tests them on a laptop, and the time it takes says nothing about the
+# kernel on a TPU. The benchmark still times them (so you know how long a lesson takes), labels
+# the row `measured (interpret mode — not kernel speed)` and leaves its TFLOP/s empty.
+
+# %%
+for name in ("reference", "pallas"):
+    print(f"{name:>9} on {PLATFORM.backend}: {bench.timing_kind(name, PLATFORM.backend)}")
+    print(f"{name:>9} on tpu: {bench.timing_kind(name, 'tpu')}")
+
+# %% [markdown]
+# ## 2. Measured: every implementation on this machine
+#
+# The sweep below is the one the command line runs with
+#
+# ```
+# python -m tpuattn.bench --impls all --seq-lens 256,512 --modes fwd,fwd+bwd --causal true \
+#     --out out/bench --figures
+# ```
+#
+# Rows that fail (out of memory, an input an implementation does not support, an implementation
+# missing on this backend) are recorded with a `status`, not raised. The results, with the
+# environment (JAX version, backend, device kind), go to `out/05/05_bench.csv` and `.json` so that
+# runs from different machines can be put side by side.
+
+# %% tags=["nbval-ignore-output"]
+shapes = bench.sweep(seq_lens, batch=BATCH, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                     dtypes=[dtype], causal=CAUSAL)
+results = bench.run(compiled_impls, shapes, MODES, repeats=REPEATS, progress=PROGRESS)
+if interpreted_impls and INTERPRET_SEQ_LENS:
+    short = bench.sweep(INTERPRET_SEQ_LENS, batch=BATCH, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                        dtypes=[dtype], causal=CAUSAL)
+    results = results + bench.run(interpreted_impls, short, MODES, repeats=1, progress=PROGRESS)
+csv_path, json_path = results.save(OUT_DIR, "05_bench")
+print(results.table())
+print(f"\nwrote {csv_path} and {json_path}")
+
+# %% [markdown]
+# Check the rows before reading them: every row has a known status, every interpret-mode row has
+# no TFLOP/s, and every compiled row that ran has one that matches its FLOP count and median.
+
+# %% tags=["nbval-ignore-output"]
+for row in results.rows:
+    assert row["status"] in bench.STATUSES, row
+    if row["timing_kind"] == bench.TIMING_INTERPRET:
+        assert row["tflops"] is None, row
+    elif row["status"] == "ok":
+        assert math.isclose(row["tflops"], row["flops"] / row["median_s"] / 1e12), row
+failed = [(r["impl"], r["mode"], r["seq_len"], r["status"]) for r in results.rows if r["status"] != "ok"]
+print(f"{len(results.rows)} rows checked; not ok: {failed or 'none'}")
+
+# %% tags=["nbval-ignore-output"]
+fig, axes = plt.subplots(2, len(MODES), figsize=(6 * len(MODES), 8.4), squeeze=False)
+for col, mode in enumerate(MODES):
+    bench_plots.plot_time(results, axes[0, col], mode)
+    bench_plots.plot_tflops(results, axes[1, col], mode)
+fig.tight_layout()
+plots.save_figure(fig, "05_time_tflops")
+plt.show()
+
+# %% [markdown]
+# Read the figure with its label in mind. On a CPU the numbers say how the implementations compare
+# *on this CPU*, under whatever else it was running at the time (the `spread` column says how much
+# the repeats disagreed); they say nothing about a TPU, and the interpret-mode points (dashed, at the
+# shortest length only) not even about the kernels. On a TPU runtime the same cells measure the
+# chip, and section 4 compares each row with the roofline.
+#
+# ### Memory against sequence length
+#
+# On CPU, memory is measured in a fresh child process that runs one call (`tpuattn.memory`): the
+# figure shows what the call added to the process's peak resident set, on top of the JAX runtime
+# and the inputs. On an accelerator it is XLA's memory plan for the compiled call (temporaries plus
+# outputs). The dashed line is the model of what the materialised schedule keeps alive at once:
+# the float32 scores $S$ and the probabilities $P$, $8 H T^2$ bytes in float32.
+
+# %% tags=["nbval-ignore-output"]
+memory_impls = [name for name in MEMORY_IMPLS if name in compiled_impls]
+memory = None
+if MEASURE_MEMORY and memory_impls:
+    memory_shapes = bench.sweep(MEMORY_SEQ_LENS, heads=MEMORY_HEADS, head_dim=HEAD_DIM, dtypes=[dtype])
+    memory = bench.run(memory_impls, memory_shapes, ["fwd"], memory=True, timing=False, progress=PROGRESS)
+    memory.save(OUT_DIR, "05_memory")
+    value = "call_mib" if PLATFORM.backend == "cpu" else "peak_mib"
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    bench_plots.plot_memory(memory, ax, "fwd", value=value)
+    t = np.array(MEMORY_SEQ_LENS, float)
+    itemsize = 4 if dtype == "float32" else 2
+    ax.plot(t, (4 + itemsize) * BATCH * MEMORY_HEADS * t**2 / 2**20, "k--",
+            label="materialised S + P (modelled)")
+    ax.legend(fontsize="small")
+    plots.save_figure(fig, "05_memory")
+    plt.show()
+    for row in memory.rows:
+        mib = float("nan") if row[value] is None else row[value]
+        print(f"{row['impl']:>10} T={row['seq_len']:>5}: {mib:8.0f} MiB {value} ({row['memory_method']})")
+else:
+    print("memory not measured (MEASURE_MEMORY = False)")
+
+# %% [markdown]
+# ## 3. Modelled: the roofline of a TPU
+#
+# A TPU chip can do at most `peak` FLOP/s on its matrix units and move at most `bandwidth` bytes/s
+# between HBM and the core. A schedule that executes $F$ FLOPs and moves $M$ bytes therefore needs
+# at least
+#
+# $$ t \;\ge\; \max\!\left(\frac{F}{\text{peak}},\ \frac{M}{\text{bandwidth}}\right), $$
+#
+# and which term wins depends on its **arithmetic intensity** $F/M$ against the chip's **ridge
+# point** peak/bandwidth. The chip numbers come from JAX's `pltpu.get_tpu_info_for_chip` where the
+# installed JAX has it (0.8.1 and later), else from Google Cloud's published table; both are shown.
+# float32 matmuls at `Precision.HIGHEST` (what every implementation here uses for float32) run as
+# 6 bfloat16 passes, so the model's f32 peak is bf16 / 6: a *modelled* number.
+
+# %% tags=["nbval-ignore-output"]
+print(f"{'chip':<5} {'bf16 TFLOP/s':>12} {'f32 (model)':>11} {'HBM GB/s':>9} {'HBM GiB':>8} {'VMEM MiB':>9} "
+      f"{'ridge FLOP/B':>12}  source")
+for name in roofline.CHIPS:
+    for chip in (roofline.PUBLISHED[name], roofline.chip_spec(name)):
+        print(f"{name:<5} {chip.bf16_flops / 1e12:12.0f} {chip.f32_flops / 1e12:11.1f} "
+              f"{chip.hbm_bandwidth / 1e9:9.0f} {chip.hbm_capacity / 2**30:8.1f} "
+              f"{chip.vmem_bytes / 2**20:9.0f} "
+              f"{chip.ridge_point():12.0f}  {chip.source}")
+v5e = roofline.PUBLISHED["v5e"]
+assert (v5e.bf16_flops, v5e.hbm_bandwidth) == (197e12, 819e9)  # Cloud TPU v5e page
+
+# %% [markdown]
+# ### The schedules, counted
+#
+# `roofline.cost(impl, spec, mode)` counts what each implementation's schedule executes and moves:
+#
+# * **materialised** (`reference`, `xla`): $S = QK^\top$ is written to HBM in float32 and read back
+#   by three softmax passes (row max, row sum of exponentials, normalisation that writes $P$), then
+#   $P$ is read by the $PV$ matmul: $16 + 2p$ bytes per score ($p$ = bytes of $P$). The backward
+#   (autodiff, $P$ saved) writes $dP$ and $dS$ and reads them and $P$ several times. Masks save no
+#   work: every score is computed.
+# * **flash** (`pallas`, `splash`): a query block stays in VMEM while K/V blocks stream past, so K
+#   and V are re-read once per query block; scores never reach HBM; tiles that `MaskSpec.block_map`
+#   marks EMPTY are skipped. Backward: a dK/dV kernel and a dQ kernel, each recomputing $S$.
+# * **blockwise** (pure JAX): the same tiles, but each step is an XLA computation whose score tile
+#   and running `(acc, max, sum)` state go through HBM.
+#
+# Every byte is listed: here is the forward of the reference at 4096 tokens.
+
+# %%
+spec = roofline.problem(4096, batch=MODEL_BATCH, heads=MODEL_HEADS, head_dim=MODEL_HEAD_DIM,
+                        dtype=MODEL_DTYPE, causal=True)
+ref_cost = roofline.cost("reference", spec, "fwd")
+for what, nbytes in ref_cost.breakdown:
+    print(f"{nbytes / 1e9:8.3f} GB  {what}")
+print(f"{ref_cost.hbm_bytes / 1e9:8.3f} GB  total; {ref_cost.flops / 1e12:.3f} TFLOP executed; "
+      f"intensity {ref_cost.intensity:.1f} FLOP/B")
+
+# %% [markdown]
+# ### Bound and predicted time, 4k to 32k tokens (modelled, causal, bf16)
+#
+# For each implementation: the executed FLOPs over HBM bytes (intensity), the bound that applies on
+# a v5e, the lower-bound time, and whether the live set fits in HBM. The Pallas kernel's blocks are
+# its own defaults for the chip (`tpuattn.pallas.blocks.default_block_sizes`); splash uses JAX's
+# default 128 x 128.
+
+# %%
+chips = {name: roofline.chip_spec(name) for name in roofline.CHIPS}
+model_impls = list(roofline.MODELS)
+predictions = {}
+for chip_name, chip in chips.items():
+    for impl in model_impls:
+        for mode in MODES:
+            for t in MODEL_SEQ_LENS:
+                spec = roofline.problem(t, batch=MODEL_BATCH, heads=MODEL_HEADS, head_dim=MODEL_HEAD_DIM,
+                                        dtype=MODEL_DTYPE, causal=True)
+                predictions[chip_name, impl, mode, t] = roofline.predict(impl, spec, chip, mode)
+
+print(f"TPU v5e, batch {MODEL_BATCH} x {MODEL_HEADS} heads x d {MODEL_HEAD_DIM}, {MODEL_DTYPE}, causal "
+      "(modelled lower bounds)")
+print(f"{'impl':<10} {'mode':<8} {'T':>6} {'FLOP/B':>7} {'bound':>8} {'time ms':>9} {'TFLOP/s*':>9} "
+      f"{'fits HBM':>8}")
+for impl in model_impls:
+    for mode in MODES:
+        for t in MODEL_SEQ_LENS:
+            p = predictions["v5e", impl, mode, t]
+            print(f"{impl:<10} {mode:<8} {t:>6} {p.cost.intensity:7.0f} {p.bound:>8} {p.time_s * 1e3:9.2f} "
+                  f"{p.standard_tflops:9.1f} {'yes' if p.fits_hbm else 'NO':>8}")
+print("* standard-count TFLOP/s at the predicted time: what a benchmark would report at best")
+
+# %% [markdown]
+# The model says three things. The materialised schedules (`reference` and `xla`, the same schedule
+# and so the same numbers) sit far left of the ridge (about 25 FLOP/byte against v5e's 240): they
+# are memory bound at every length, and past about 19k tokens their scores no longer fit at all.
+# The flash kernel with 512-row query blocks re-reads K/V rarely enough to be compute bound.
+# Splash at its default 128 x 128 blocks has intensity
+# $2 \cdot 128 / 2 = 128$ FLOP/byte: memory bound on a v5e, which is why production configs raise
+# `block_q`. And the blockwise loop in pure JAX, although it skips the same tiles, moves its score
+# tiles through HBM and lands between the two.
+
+# %%
+fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey=True)
+for ax, chip_name in zip(axes.flat, chips, strict=True):
+    for impl in model_impls:
+        times = [predictions[chip_name, impl, "fwd", t].time_s * 1e3 for t in MODEL_SEQ_LENS]
+        fits = [predictions[chip_name, impl, "fwd", t].fits_hbm for t in MODEL_SEQ_LENS]
+        # xla has the reference's schedule: draw the reference wide and pale so both show.
+        wide = {"lw": 6, "alpha": 0.35} if impl == "reference" else {}
+        ax.plot(MODEL_SEQ_LENS, times, marker="o", label=impl, color=bench_plots.COLORS.get(impl), **wide)
+        for t, ms, ok in zip(MODEL_SEQ_LENS, times, fits, strict=True):
+            if not ok:
+                ax.plot(t, ms, "x", color="red", markersize=10)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(MODEL_SEQ_LENS, [str(t) for t in MODEL_SEQ_LENS])
+    ax.minorticks_off()
+    ax.set_xlabel("sequence length")
+    ax.set_title(plots.labelled(f"causal fwd, {MODEL_DTYPE}", measured=False, chip=f"TPU {chip_name}"))
+for ax in axes[:, 0]:
+    ax.set_ylabel("predicted lower-bound time (ms)")
+axes[0, 0].legend(title="red x: does not fit in HBM", fontsize="small")
+fig.tight_layout()
+plots.save_figure(fig, "05_predicted_time")
+plt.show()
+
+# %%
+fig, axes = plt.subplots(2, 2, figsize=(11, 8.8))
+for ax, (chip_name, chip) in zip(axes.flat, chips.items(), strict=True):
+    points = [predictions[chip_name, impl, "fwd", 8192] for impl in model_impls]
+    bench_plots.plot_roofline(ax, chip, points, dtype=MODEL_DTYPE)
+    title = plots.labelled("roofline, causal fwd at 8192 tokens", measured=False, chip=f"TPU {chip_name}")
+    ax.set_title(title, fontsize="small")
+fig.tight_layout()
+plots.save_figure(fig, "05_roofline")
+plt.show()
+
+# %% [markdown]
+# ### Crossover lengths
+#
+# * **HBM**: the sequence length at which the materialised schedule's live set (scores, probabilities
+#   and, for training, $dP$ and $dS$) exceeds the chip's HBM, for this layer alone. Past it, the
+#   reference and `xla` cannot run; every blocked schedule can.
+# * **VMEM**: a fused kernel that kept a whole row block of scores `[q_block, T]` (plus all of K and
+#   V for one head) in VMEM would not need the online softmax; this is the length at which that
+#   stops fitting in one core's VMEM. The online softmax removes the limit: the flash kernel's VMEM
+#   working set depends on its block sizes only.
+
+# %%
+print(f"batch {MODEL_BATCH} x {MODEL_HEADS} heads x d {MODEL_HEAD_DIM}, {MODEL_DTYPE} (modelled)")
+print(f"{'chip':<5} {'HBM fwd':>8} {'HBM fwd+bwd':>12} {'VMEM q_block 128':>17} {'VMEM q_block 512':>17}")
+for chip_name, chip in chips.items():
+    kwargs = dict(batch=MODEL_BATCH, heads=MODEL_HEADS, head_dim=MODEL_HEAD_DIM, dtype=MODEL_DTYPE)
+    print(f"{chip_name:<5} {roofline.materialise_crossover(chip, **kwargs):>8} "
+          f"{roofline.materialise_crossover(chip, mode='fwd+bwd', **kwargs):>12} "
+          f"{roofline.vmem_crossover(chip, q_block=128, head_dim=MODEL_HEAD_DIM, dtype=MODEL_DTYPE):>17} "
+          f"{roofline.vmem_crossover(chip, q_block=512, head_dim=MODEL_HEAD_DIM, dtype=MODEL_DTYPE):>17}")
+
+# %% [markdown]
+# ## 4. Measured against modelled
+#
+# On a TPU runtime, each compiled row of section 2 is divided into the roofline lower bound for the
+# same shape on this chip: the **fraction of roofline** achieved (1.0 would be perfect; 0.5 to 0.8 is
+# good for attention, whose softmax also loads the vector unit, which the model leaves out). Off a
+# TPU there is nothing to compare: the numbers above are measured on this machine and the roofline
+# is modelled.
+
+# %% tags=["nbval-ignore-output"]
+chip_name = roofline.chip_for_device_kind(PLATFORM.device_kind)
+if chip_name is None:
+    print(f"On {PLATFORM.label()}: no TPU to compare with. Section 2 is measured on {PLATFORM.label()}; "
+          "section 3 is modelled.")
+else:
+    chip = roofline.chip_spec(chip_name)
+    measured_points = []
+    print(f"{'impl':<10} {'mode':<8} {'T':>6} {'causal':<6} {'measured ms':>11} {'bound ms':>9} "
+          f"{'fraction':>8}")
+    for row in results.select(status="ok", timing_kind=bench.TIMING_COMPILED):
+        if row["impl"] not in roofline.MODELS:
+            continue
+        spec = roofline.problem(row["seq_len"], batch=row["batch"], heads=row["heads"],
+                                kv_heads=row["kv_heads"], head_dim=row["head_dim"], dtype=row["dtype"],
+                                causal=row["causal"])
+        p = roofline.predict(row["impl"], spec, chip, row["mode"])
+        print(f"{row['impl']:<10} {row['mode']:<8} {row['seq_len']:>6} {str(row['causal']):<6} "
+              f"{row['median_s'] * 1e3:11.3f} {p.time_s * 1e3:9.3f} {p.time_s / row['median_s']:8.2f}")
+        if row["mode"] == "fwd" and row["causal"]:
+            measured_points.append((f"{row['impl']} T={row['seq_len']}", p.cost.intensity,
+                                    p.cost.flops / row["median_s"]))
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    bench_plots.plot_roofline(ax, chip, dtype=dtype, measured=measured_points)
+    ax.set_title(plots.labelled(f"TPU {chip_name}: measured runs on the roofline", measured=True))
+    plots.save_figure(fig, "05_roofline_measured")
+    plt.show()
+
+# %% [markdown]
+# > **Takeaway.** Time compiled code only after compiling it separately, warm up, synchronise every
+# > call with `block_until_ready`, and report a median with its spread. Label every number with the
+# > machine that produced it; interpret-mode timings are never kernel speed.
+#
+# > **Takeaway.** The standard FLOP count ($4BHT_qT_kD$, half for causal, 3.5x for forward+backward)
+# > is for comparing runs; the work a schedule executes, and the bytes it moves, are what bound it.
+#
+# > **Takeaway.** Materialised attention is memory bound on every TPU (about 25 FLOP/byte against
+# > ridge points of 170 to 560 FLOP/byte) and, for a single 8-head layer at d 128, runs out of HBM
+# > between about 15k tokens (v5e, training) and 46k (v5p, inference).
+# > A flash schedule is compute bound once its query block is large enough that re-reading K/V per
+# > block stays above the ridge point: intensity $\approx 2\,\text{block\_q}/\text{bytes per element}$.
+#
+# ## Exercises
+#
+# Each stub raises `NotImplementedError`; fill it in and re-run its cell. Solutions are at the end.
+#
+# 1. **Ridge.** Return the ridge point (FLOP per HBM byte, bf16) of a TPU v6e from its published
+#    numbers (918 TFLOP/s, 1638 GB/s).
+# 2. **Re-reads.** For a non-causal flash forward in bf16, write the arithmetic intensity as a
+#    function of `block_q` alone, counting only the K/V re-reads (they dominate at long lengths).
+# 3. **Block size.** Using your function, find the smallest `block_q` (a multiple of 128) that makes
+#    the flash forward compute bound on a v5e.
+
+
+# %%
+def v6e_ridge_point():
+    raise NotImplementedError("FILL ME IN")
+
+
+def flash_intensity(block_q, itemsize=2):
+    raise NotImplementedError("FILL ME IN")
+
+
+def smallest_compute_bound_block_q():
+    raise NotImplementedError("FILL ME IN")
+
+
+def check_exercises():
+    long = roofline.problem(32768, heads=1, head_dim=128, dtype="bfloat16")
+    checks = {
+        "1 ridge": lambda: np.testing.assert_allclose(
+            v6e_ridge_point(), roofline.PUBLISHED["v6e"].ridge_point(), rtol=1e-6),
+        "2 re-reads": lambda: np.testing.assert_allclose(
+            flash_intensity(256), roofline.cost("pallas", long, q_block=256, kv_block=512).intensity,
+            rtol=0.02),
+        "3 block size": lambda: np.testing.assert_equal(smallest_compute_bound_block_q(), 256),
+    }
+    for name, check in checks.items():
+        try:
+            check()
+            print(f"exercise {name}: correct")
+        except NotImplementedError:
+            print(f"exercise {name}: not done yet (hint: see the markdown above the stubs)")
+
+
+check_exercises()
+
+# %% [markdown]
+# <details><summary>Solutions</summary>
+#
+# ```python
+# def v6e_ridge_point():
+#     return 918e12 / 1638e9                      # ~560 FLOP per byte
+#
+# def flash_intensity(block_q, itemsize=2):
+#     # per (q block, kv block) tile: 4 * block_q * block_kv * D FLOPs, 2 * block_kv * D * itemsize bytes
+#     return 4 * block_q / (2 * itemsize)         # = block_q FLOP/B in bf16
+#
+# def smallest_compute_bound_block_q():
+#     ridge = roofline.PUBLISHED["v5e"].ridge_point()   # ~240
+#     return next(b for b in range(128, 2049, 128) if flash_intensity(b) >= ridge)   # 256
+# ```
+# </details>

@@ -1,0 +1,357 @@
+"""The Pallas kernels (impl="pallas") beyond the shared oracle suite.
+
+Everything here runs in Pallas interpret mode on CPU (small shapes); the 4096-token block
+counts come from the kernels' own schedule and index maps, not from running them.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from oracle import oracle_attention, oracle_grads
+
+import tpuattn
+from tpuattn.api import AttentionSpec
+from tpuattn.masks import MaskSpec
+from tpuattn.pallas import (
+    BackwardBlocks,
+    BlockSizes,
+    ForwardBlocks,
+    compat,
+    default_block_sizes,
+    forward_vmem_bytes,
+    kv_schedule,
+    resolve_interpret,
+    walk_grid,
+)
+
+FWD_TOL, GRAD_TOL = 2e-5, 1e-4  # float32 against the float64 oracle, as the shared suite
+# JAX's shipped kernels' own test tolerances (float32).
+SHIPPED_FWD_TOL, SHIPPED_GRAD_TOL = 3e-3, 2e-2
+
+
+def _inputs(seed, batch, q_len, kv_len, q_heads, kv_heads, head_dim):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, q_len, q_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((batch, kv_len, kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((batch, kv_len, kv_heads, head_dim)).astype(np.float32)
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    return q, k, v, d_out
+
+
+def _value_and_grads(q, k, v, d_out, **kw):
+    def loss(q, k, v):
+        out = tpuattn.attention(q, k, v, impl="pallas", **kw)
+        return jnp.sum(out * d_out), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+def _spec(seq, *, causal=True, window=None, heads=1, kv_heads=1, head_dim=128):
+    mask = MaskSpec(q_len=seq, kv_len=seq, causal=causal, window=window)
+    return AttentionSpec(batch=1, q_len=seq, kv_len=seq, num_q_heads=heads, num_kv_heads=kv_heads,
+                         head_dim=head_dim, dtype=jnp.dtype(jnp.float32), scale=head_dim ** -0.5,
+                         softcap=None, mask=mask)
+
+
+# ------------------------------------------------------------------ lengths that are not block multiples
+@pytest.mark.parametrize(
+    "shape, kw",
+    [
+        ((1, 300, 300, 4, 2, 64), dict(causal=True)),
+        ((2, 200, 300, 2, 1, 40), dict(window=(70, 20), softcap=3.0)),
+    ],
+    ids=["causal-gqa-300", "window-softcap-mqa-200x300"],
+)
+def test_non_multiple_lengths_with_small_blocks_match_oracle(shape, kw):
+    q, k, v, d_out = _inputs(0, *shape)
+    out, grads = _value_and_grads(q, k, v, d_out, block_sizes=128, **kw)
+    np.testing.assert_allclose(out, oracle_attention(q, k, v, **kw), atol=FWD_TOL, rtol=FWD_TOL)
+    for name, got, want in zip("qkv", grads, oracle_grads(q, k, v, d_out, **kw), strict=True):
+        np.testing.assert_allclose(got, want, atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=f"d{name}")
+
+
+def test_segments_across_blocks_skip_tiles_and_match_oracle():
+    # Three packed documents over 4 blocks of 128: block-diagonal, so 6 of 16 tiles are visited.
+    seg = np.repeat(np.array([0, 1, 2, 2]), 128)[None].astype(np.int32)
+    q, k, v, d_out = _inputs(1, 1, 512, 512, 2, 1, 32)
+    kw = dict(segment_ids=seg)
+    out, grads = _value_and_grads(q, k, v, d_out, block_sizes=128, **kw)
+    np.testing.assert_allclose(out, oracle_attention(q, k, v, **kw), atol=FWD_TOL, rtol=FWD_TOL)
+    for name, got, want in zip("qkv", grads, oracle_grads(q, k, v, d_out, **kw), strict=True):
+        np.testing.assert_allclose(got, want, atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=f"d{name}")
+    *_, spec = tpuattn.make_spec(q, k, v, segment_ids=seg)
+    counts = kv_schedule(spec, 128, segment_ids=(seg, seg))
+    np.testing.assert_array_equal(counts.computed[0, 0], [1, 1, 2, 2])
+    assert counts.total_computed == 6 * spec.num_q_heads
+    for pass_name in ("dq", "dkv"):
+        assert kv_schedule(spec, 128, segment_ids=(seg, seg), pass_name=pass_name).computed_fraction == 6 / 16
+
+
+# ------------------------------------------------------------------ block counts at 4096, counted
+def test_causal_4096_computes_and_fetches_at_most_52_percent():
+    spec = _spec(4096)
+    counts = kv_schedule(spec, 128)
+    nq = 4096 // 128
+    assert (counts.num_q_blocks, counts.num_kv_blocks, counts.steps) == (nq, nq, nq)
+    np.testing.assert_array_equal(counts.computed[0, 0], np.arange(1, nq + 1))  # q block i sees i + 1
+    assert counts.unmasked_computed == counts.unmasked_fetched == nq * nq
+    assert counts.total_computed == nq * (nq + 1) // 2  # 528 of 1024
+    # Fetches: one per computed tile, except that q block 1 starts on kv block 0, the block
+    # q block 0 ended on (still resident), so 527.
+    assert counts.total_fetched == nq * (nq + 1) // 2 - 1
+    assert counts.computed_fraction <= 0.52 and counts.fetched_fraction <= 0.52
+    for pass_name in ("dq", "dkv"):
+        other = kv_schedule(spec, 128, pass_name=pass_name)
+        assert other.computed_fraction <= 0.52 and other.fetched_fraction <= 0.52, pass_name
+
+
+def test_kernel_index_maps_fetch_what_the_schedule_counts(monkeypatch):
+    """Capture the forward pallas_call's own grid spec at 4096 tokens and walk its index maps."""
+    captured = {}
+
+    class Captured(Exception):
+        pass
+
+    def fake_pallas_call(kernel, *, grid_spec, **kwargs):
+        def call(*args):
+            captured.update(grid_spec=grid_spec, args=args)
+            raise Captured
+
+        return call
+
+    forward_module = importlib.import_module("tpuattn.pallas.forward")
+    monkeypatch.setattr(forward_module.pl, "pallas_call", fake_pallas_call)
+    seq, heads, kv_heads = 4096, 4, 2
+    q = jnp.zeros((1, seq, heads, 128), jnp.float32)
+    k = jnp.zeros((1, seq, kv_heads, 128), jnp.float32)
+    with pytest.raises(Captured):
+        tpuattn.attention(q, k, k, causal=True, impl="pallas", block_sizes=128)
+    grid_spec, args = captured["grid_spec"], captured["args"]
+    prefetch = tuple(np.asarray(a) for a in args[: grid_spec.num_scalar_prefetch])
+    q_arg, k_arg = args[grid_spec.num_scalar_prefetch:][:2]
+    assert k_arg.shape == (1, kv_heads, seq, 128)  # GQA: K is not repeated per query head
+    assert q_arg.shape == (1, heads, seq, 128)
+    grid = tuple(grid_spec.grid)
+    nq = seq // 128
+    assert grid == (1, heads, nq, nq)
+    k_spec = grid_spec.in_specs[1]
+    fetches = walk_grid(k_spec.index_map, grid, prefetch)
+    per_head = nq * (nq + 1) // 2 - 1  # q block 1 reuses kv block 0, resident from q block 0
+    # With GQA consecutive query heads share a kv head, but a head ends on the last kv block
+    # and the next one starts on block 0, so every head pays the same.
+    assert int(fetches.sum()) == heads * per_head
+    counts = kv_schedule(_spec(seq, heads=heads, kv_heads=kv_heads), 128)
+    assert counts.total_fetched == int(fetches.sum())
+    assert counts.fetched_fraction <= 0.52
+    # Skipped steps name the resident block: no index change at any step past the count.
+    count = prefetch[2].reshape(nq)
+    steps = np.arange(nq)
+    assert not fetches[0, 0][steps[None, :] >= count[:, None]].any()
+
+
+def test_window_shortens_the_grid():
+    counts = kv_schedule(_spec(1024, causal=True, window=(128, 0)), 128)
+    assert counts.steps == 2  # each q block sees its own kv block and the one before
+    assert counts.total_computed == 2 * 8 - 1
+    assert counts.computed_fraction == 15 / 64
+
+
+def test_query_blocks_that_see_nothing_park_on_the_resident_block():
+    # q_len 512 > kv_len 128, causal (bottom-right): queries 0..383 see no key at all.
+    mask = MaskSpec(q_len=512, kv_len=128, causal=True)
+    spec = AttentionSpec(batch=1, q_len=512, kv_len=128, num_q_heads=1, num_kv_heads=1, head_dim=64,
+                         dtype=jnp.dtype(jnp.float32), scale=0.125, softcap=None, mask=mask)
+    counts = kv_schedule(spec, 128)
+    np.testing.assert_array_equal(counts.computed[0, 0], [0, 0, 0, 1])
+    # The pipeline's first step always loads a block (kv 0); the empty q blocks park on it and
+    # q block 3 computes with it, so one fetch in all.
+    np.testing.assert_array_equal(counts.fetched[0, 0], [1, 0, 0, 0])
+
+
+def test_visited_tiles_are_the_non_empty_tiles_of_the_mask():
+    spec = _spec(640, causal=False, window=(150, 40))
+    counts = kv_schedule(spec, 128)
+    block_map = spec.mask.block_map(128, 128)
+    np.testing.assert_array_equal(counts.visit_map[0] > 0, block_map > 0)
+    np.testing.assert_array_equal(counts.visit_map[0] == 2, block_map == 2)  # FULL: no mask work
+    assert counts.total_fetched <= counts.total_computed
+
+
+# ------------------------------------------------------------------ JAX's shipped kernels
+def test_matches_jax_flash_attention():
+    from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
+
+    batch, seq, heads, head_dim = 1, 256, 2, 64
+    q, k, v, d_out = _inputs(2, batch, seq, seq, heads, heads, head_dim)
+    rng = np.random.default_rng(5)
+    seg = np.sort(rng.integers(0, 3, (batch, seq)), axis=1).astype(np.int32)
+    scale = head_dim ** -0.5
+    kw = dict(causal=True, segment_ids=seg, scale=scale)
+    out, grads = _value_and_grads(q, k, v, d_out, block_sizes=128, **kw)
+
+    def theirs(q, k, v):  # [batch, heads, seq, dim] layout
+        t = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
+        o = jax_flash.flash_attention(*t, segment_ids=jax_flash.SegmentIds(seg, seg), causal=True,
+                                      sm_scale=scale)
+        return jnp.swapaxes(o, 1, 2)
+
+    with compat.force_tpu_interpret_mode():
+        ref_out, vjp = jax.vjp(theirs, q, k, v)
+        ref_grads = vjp(jnp.asarray(d_out))
+    np.testing.assert_allclose(out, ref_out, atol=SHIPPED_FWD_TOL, rtol=SHIPPED_FWD_TOL)
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=SHIPPED_GRAD_TOL, rtol=SHIPPED_GRAD_TOL,
+                                   err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("mqa", [False, True], ids=["mha-causal-softcap", "mqa-causal"])
+def test_matches_splash_attention(mqa):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    seq, heads, head_dim = 256, 2, 128
+    kv_heads = 1 if mqa else heads
+    softcap = None if mqa else 4.0
+    q, k, v, d_out = _inputs(3, 1, seq, seq, heads, kv_heads, head_dim)
+    kw = dict(causal=True, scale=1.0, softcap=softcap)
+    out, grads = _value_and_grads(q, k, v, d_out, block_sizes=128, **kw)
+
+    mask = splash.MultiHeadMask([splash.CausalMask((seq, seq)) for _ in range(heads)])
+    blocks = splash.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128,
+                               block_kv_dkv=128, block_kv_dkv_compute=128, block_q_dq=128, block_kv_dq=128)
+    make = splash.make_splash_mqa_single_device if mqa else splash.make_splash_mha_single_device
+    kernel = make(mask, block_sizes=blocks, attn_logits_soft_cap=softcap, interpret=True)
+
+    def theirs(q, k, v):  # per batch element: q [heads, seq, d]; k, v [seq, d] (MQA) or [heads, seq, d]
+        kv = (lambda x: x[0, :, 0]) if mqa else (lambda x: jnp.swapaxes(x[0], 0, 1))
+        return jnp.swapaxes(kernel(jnp.swapaxes(q[0], 0, 1), kv(k), kv(v)), 0, 1)[None]
+
+    ref_out, vjp = jax.vjp(theirs, q, k, v)
+    ref_grads = vjp(jnp.asarray(d_out))
+    np.testing.assert_allclose(out, ref_out, atol=SHIPPED_FWD_TOL, rtol=SHIPPED_FWD_TOL)
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=SHIPPED_GRAD_TOL, rtol=SHIPPED_GRAD_TOL,
+                                   err_msg=f"d{name}")
+
+
+# ------------------------------------------------------------------ lowering for a TPU, without one
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernels_lower_to_mosaic_for_tpu(dtype):
+    """Cross-platform export runs Pallas's Mosaic lowering of all three kernels on this host.
+
+    It catches operations Mosaic cannot lower (it caught a floor division in an index map);
+    Mosaic's own compilation (layouts, VMEM allocation) still needs a TPU.
+    """
+    from jax import export
+
+    q = jax.ShapeDtypeStruct((1, 300, 4, 64), dtype)
+    k = jax.ShapeDtypeStruct((1, 300, 2, 64), dtype)
+    seg = jax.ShapeDtypeStruct((1, 300), jnp.int32)
+
+    def loss(q, k, v, seg):
+        out = tpuattn.attention(q, k, v, causal=True, window=(200, 0), softcap=5.0, segment_ids=seg,
+                                impl="pallas", block_sizes=128, interpret=False)
+        return jnp.sum(out.astype(jnp.float32))
+
+    exported = export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), platforms=["tpu"])(
+        q, k, k, seg)
+    text = exported.mlir_module()
+    for name in ("tpuattn_flash_forward", "tpuattn_flash_dq", "tpuattn_flash_dkv"):
+        assert name in text, name
+
+
+# ------------------------------------------------------------------ the TPU simulator
+def test_simulator_reports_no_race_for_causal_gqa():
+    q, k, v, d_out = _inputs(4, 1, 256, 256, 4, 2, 32)
+    compat.reset_races()
+    kw = dict(causal=True)
+    out, grads = _value_and_grads(q, k, v, d_out, block_sizes=128, interpret="simulate", **kw)
+    # The flag we read must exist after a simulated run, else "no race" would be vacuous.
+    assert compat.race_state() is not None
+    assert not compat.races_found()
+    np.testing.assert_allclose(out, oracle_attention(q, k, v, **kw), atol=FWD_TOL, rtol=FWD_TOL)
+    for name, got, want in zip("qkv", grads, oracle_grads(q, k, v, d_out, **kw), strict=True):
+        np.testing.assert_allclose(got, want, atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=f"d{name}")
+
+
+def _copy_kernel(racy: bool):
+    pl, pltpu = compat.pl, compat.pltpu
+
+    def kernel(x_hbm, o_ref, buf, sem):
+        copy = pltpu.make_async_copy(x_hbm, buf, sem)
+        copy.start()
+        if racy:
+            o_ref[...] = buf[...]  # reads the VMEM buffer the DMA is still writing
+        copy.wait()
+        if not racy:
+            o_ref[...] = buf[...]
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                          in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                          scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+                          interpret=resolve_interpret("simulate"))
+
+
+@pytest.mark.parametrize("racy", [True, False], ids=["read-before-wait", "read-after-wait"])
+def test_race_flag_is_read_where_this_jax_keeps_it(racy):
+    """Positive control for the test above: the flag compat reads does flip on a real race."""
+    compat.reset_races()
+    jax.block_until_ready(_copy_kernel(racy)(jnp.ones((8, 128), jnp.float32)))
+    assert compat.races_found() is racy
+
+
+# ------------------------------------------------------------------ options and validation
+def test_interpret_mode_is_the_default_off_tpu():
+    assert jax.default_backend() != "tpu"
+    assert resolve_interpret(None) is True
+    assert resolve_interpret(False) is False
+    simulated = resolve_interpret("simulate")
+    assert isinstance(simulated, compat.InterpretParams) and simulated.detect_races
+    with pytest.raises(ValueError, match="interpret: expected None, True, False, 'simulate'"):
+        resolve_interpret("fast")
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ForwardBlocks(100, 128), r"forward.block_q: expected a multiple of 8 .* got 100"),
+        (lambda: ForwardBlocks(128, 64), r"forward.block_kv: expected a multiple of 128 .* got 64"),
+        (lambda: BackwardBlocks(64, 128), r"backward.block_q: expected a multiple of 128 .* got 64"),
+        (lambda: BackwardBlocks(128, 0), r"block_sizes.backward.block_kv: expected a positive int, got 0"),
+        (lambda: ForwardBlocks(128.0, 128), r"block_q: expected a positive int, got 128.0"),
+        (lambda: BlockSizes(forward=(128, 128)), r"block_sizes.forward: expected a ForwardBlocks"),
+    ],
+    ids=["fwd-q-sublanes", "fwd-kv-lanes", "bwd-q-lanes", "bwd-kv-positive", "float", "not-dataclass"],
+)
+def test_block_size_validation_names_the_constraint(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_bad_options_are_refused_through_the_contract():
+    q = jnp.zeros((1, 8, 1, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"block_sizes: expected a multiple of 128 .* got 96"):
+        tpuattn.attention(q, q, q, impl="pallas", block_sizes=96)
+    with pytest.raises(ValueError, match="block_sizes: expected None, an int"):
+        tpuattn.attention(q, q, q, impl="pallas", block_sizes="big")
+    with pytest.raises(ValueError, match=r"pallas: unknown option\(s\) \['block_q'\]"):
+        tpuattn.attention(q, q, q, impl="pallas", block_q=128)
+
+
+def test_default_block_sizes_follow_the_vmem_budget():
+    mib = 1024 * 1024
+    big = default_block_sizes(128, jnp.bfloat16, vmem_bytes=128 * mib)  # v5e / v6e
+    assert big.forward == ForwardBlocks(512, 512)
+    assert forward_vmem_bytes(512, 512, 128, 2) <= 16 * mib
+    small = default_block_sizes(128, jnp.float32, vmem_bytes=16 * mib)  # v4, or no TPU
+    assert small.forward.block_q < 512
+    assert forward_vmem_bytes(small.forward.block_q, small.forward.block_kv, 128, 4) <= 2 * mib
+    capacity, source = compat.vmem_capacity_bytes()
+    assert (capacity, source.split(" ")[0]) == (compat.DEFAULT_VMEM_BYTES, "default")
+    # Blocks are clamped to the padded sequence: a 7-token problem runs on one 8 x 128 tile.
+    assert ForwardBlocks(512, 512).clamp(7, 7) == ForwardBlocks(8, 128)

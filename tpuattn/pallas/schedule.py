@@ -1,0 +1,307 @@
+"""The block schedule: which key/value blocks each query block visits, and in what order.
+
+A kernel's grid has a fixed number of steps along its reduction axis, but a mask hides
+whole tiles. For every outer block (a query block in the forward and dQ passes, a key/value
+block in the dK/dV pass) the schedule lists the inner blocks that may hold a visible score,
+in increasing order, then pads the list to the grid length by repeating its last entry:
+
+    causal, 4 x 4 blocks           index (step ->)      count   needs_mask
+    q block 0: kv 0                 0 0 0 0              1       1 . . .
+    q block 1: kv 0 1               0 1 1 1              2       0 1 . .
+    q block 2: kv 0 1 2             0 1 2 2              3       0 0 1 .
+    q block 3: kv 0 1 2 3           0 1 2 3              4       0 0 0 1
+
+The arrays go to the kernel as scalar prefetch (SMEM). The BlockSpec index maps read
+``index`` so a padded step names the block already resident in VMEM -- the pipeline only
+issues a DMA when the block index changes, so nothing is fetched -- and the kernel body
+runs under ``pl.when(step < count)`` so nothing is computed. ``needs_mask`` is 0 for tiles
+every row sees entirely (no iota/compare/select needed). The grid length is the largest
+count, so a sliding window also shortens the grid itself.
+
+Positions give the schedule at trace time (``MaskSpec.block_map``). Segment ids are data:
+the per-block minimum and maximum segment id are computed in JAX before the kernel and a
+tile is kept only if the query block's [min, max] range meets the key block's; the grid
+length stays the position-only one and the schedule arrays become per-batch.
+
+The same functions build the kernel's arrays and answer :func:`kv_schedule`'s counting
+question, and the index maps the kernels use are defined here so that the counts come from
+evaluating them over the grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpuattn.masks import EMPTY, FULL
+from tpuattn.pallas.blocks import as_block_sizes
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# --------------------------------------------------------------------------- building
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Scalar-prefetch arrays of one pass (flattened to 1-D for SMEM).
+
+    ``index[(b * num_outer + o) * steps + s]``: inner block visited at step ``s`` of outer block
+    ``o`` (batch row ``b``; ``b`` is always 0 unless ``per_batch``); ``needs_mask`` likewise;
+    ``count[b * num_outer + o]``: how many steps compute.
+    """
+
+    index: jax.Array
+    needs_mask: jax.Array
+    count: jax.Array
+    num_outer: int
+    num_inner: int
+    steps: int
+    per_batch: bool
+
+    def arrays(self):
+        return self.index, self.needs_mask, self.count
+
+    def row(self, b: int) -> int:
+        """The schedule row used by batch element ``b``."""
+        return b if self.per_batch else 0
+
+
+def position_map(mask, block_q: int, block_kv: int, q_len_padded: int, kv_len_padded: int,
+                 *, transpose: bool = False) -> np.ndarray:
+    """``MaskSpec.block_map`` on the padded grid; transposed (kv-major) for the dK/dV pass."""
+    bmap = mask.block_map(block_q, block_kv, q_len_padded, kv_len_padded)
+    return bmap.T if transpose else bmap
+
+
+def segment_overlap(q_segment_ids, kv_segment_ids, block_q: int, block_kv: int, *, transpose: bool = False):
+    """Bool ``[batch, num_q_blocks, num_kv_blocks]``: may some row of the q block share a segment
+    with some key of the kv block? Compares per-block [min, max] ranges (exact for sorted ids,
+    conservative otherwise). Inputs are already padded to the block multiples (edge values)."""
+    b = q_segment_ids.shape[0]
+    qs = q_segment_ids.reshape(b, -1, block_q)
+    ks = kv_segment_ids.reshape(b, -1, block_kv)
+    q_lo, q_hi = qs.min(-1), qs.max(-1)
+    k_lo, k_hi = ks.min(-1), ks.max(-1)
+    overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+    return jnp.swapaxes(overlap, 1, 2) if transpose else overlap
+
+
+def build_schedule(pos_map: np.ndarray, overlap=None) -> Schedule:
+    """Compact each row of visible tiles to the front; pad with the last visited index.
+
+    ``pos_map``: int8 ``[num_outer, num_inner]`` of EMPTY/PARTIAL/FULL (positions only, static);
+    ``overlap``: optional bool ``[batch, num_outer, num_inner]`` (segments, traced).
+    """
+    num_outer, num_inner = pos_map.shape
+    position_visible = pos_map != EMPTY
+    steps = max(1, int(position_visible.sum(axis=1).max(initial=0)))
+    visit = jnp.asarray(position_visible)[None]
+    full = jnp.asarray(pos_map == FULL)[None]
+    if overlap is not None:
+        visit = visit & overlap
+    rows = visit.shape[0]
+    inner = jnp.arange(num_inner, dtype=jnp.int32)
+    # Visible blocks first, in increasing order: sort keys j (visible) or num_inner + j (hidden).
+    order = jnp.sort(jnp.where(visit, inner, num_inner + inner), axis=-1)[..., :steps] % num_inner
+    count = visit.sum(-1).astype(jnp.int32)  # [rows, num_outer]
+    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)[..., 0]
+    # An outer block that visits nothing parks on the block the previous outer block ended
+    # with (still resident), so it fetches nothing either.
+    outer = jnp.arange(num_outer, dtype=jnp.int32)
+    source = jax.lax.cummax(jnp.where(count > 0, outer[None], -1), axis=1)
+    last = jnp.where(source >= 0, jnp.take_along_axis(last, jnp.maximum(source, 0), axis=1), 0)
+    step = jnp.arange(steps, dtype=jnp.int32)
+    index = jnp.where(step < count[..., None], order, last[..., None]).astype(jnp.int32)
+    is_full = jnp.take_along_axis(jnp.broadcast_to(full, (rows, num_outer, num_inner)), index, axis=-1)
+    needs_mask = jnp.where(is_full, 0, 1).astype(jnp.int32)
+    return Schedule(index=index.reshape(-1), needs_mask=needs_mask.reshape(-1), count=count.reshape(-1),
+                    num_outer=num_outer, num_inner=num_inner, steps=steps, per_batch=overlap is not None)
+
+
+# --------------------------------------------------------------------------- index maps
+# The kernels' BlockSpec index maps. Grid of the forward and dQ passes: (batch, q_head,
+# q_block, kv_step); grid of the dK/dV pass: (batch, kv_head, kv_block, group_member, q_step).
+# The trailing arguments are the scalar-prefetch refs (index, needs_mask, count).
+def _flat(sched: Schedule, b, outer, step):
+    row = b if sched.per_batch else 0
+    return (row * sched.num_outer + outer) * sched.steps + step
+
+
+def _head_div(h, group_size: int):
+    """``h // group_size`` for a non-negative head index: truncating division (``lax.div``)
+    in a kernel, where floor division would lower through ``sign``; plain ``//`` on Python ints."""
+    if isinstance(h, int | np.integer):
+        return h // group_size
+    return jax.lax.div(h, jnp.asarray(group_size, h.dtype))
+
+
+def forward_index_maps(sched: Schedule, group_size: int):
+    """Index maps of the forward/dQ grid ``(b, h, i, s)`` over ``[batch, heads, seq, dim]`` arrays."""
+
+    def q_map(b, h, i, s, index_ref, mask_ref, count_ref):
+        return (b, h, i, 0)
+
+    def kv_map(b, h, i, s, index_ref, mask_ref, count_ref):
+        # GQA: query head h reads key/value head h // group_size; no copy of K/V per query head.
+        return (b, _head_div(h, group_size), index_ref[_flat(sched, b, i, s)], 0)
+
+    def q_segment_map(b, h, i, s, index_ref, mask_ref, count_ref):  # [batch, q_len, 128]
+        return (b, i, 0)
+
+    def kv_segment_map(b, h, i, s, index_ref, mask_ref, count_ref):  # [batch, 8, kv_len]
+        return (b, 0, index_ref[_flat(sched, b, i, s)])
+
+    return {"q": q_map, "kv": kv_map, "q_segment": q_segment_map, "kv_segment": kv_segment_map}
+
+
+def dkv_index_maps(sched: Schedule, group_size: int):
+    """Index maps of the dK/dV grid ``(b, kv_head, j, g, t)``: query head ``kv_head * group + g``."""
+
+    def q_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):
+        return (b, kh * group_size + g, index_ref[_flat(sched, b, j, t)], 0)
+
+    def q_row_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):  # [batch, heads, 1 or 2, q_len]
+        return (b, kh * group_size + g, 0, index_ref[_flat(sched, b, j, t)])
+
+    def kv_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):
+        return (b, kh, j, 0)
+
+    def q_segment_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):  # [batch, 8, q_len]
+        return (b, 0, index_ref[_flat(sched, b, j, t)])
+
+    def kv_segment_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):  # [batch, kv_len, 128]
+        return (b, j, 0)
+
+    return {"q": q_map, "q_row": q_row_map, "kv": kv_map, "q_segment": q_segment_map,
+            "kv_segment": kv_segment_map}
+
+
+# --------------------------------------------------------------------------- counting
+@dataclasses.dataclass(frozen=True)
+class ScheduleCounts:
+    """Blocks a pass computes and fetches, counted from the kernel's own schedule and index maps.
+
+    Per-q-block arrays are ``[batch, num_q_heads, num_q_blocks]`` (forward/dQ) or per kv block
+    ``[batch, num_kv_heads, num_kv_blocks]`` (dK/dV). ``fetched`` counts the grid steps at which
+    the streamed operand's block index differs from the previous step's (the pipeline issues a
+    DMA exactly then); ``unmasked_*`` are the same counts for the same grid shape with no mask.
+    """
+
+    pass_name: str
+    block_q: int
+    block_kv: int
+    num_q_blocks: int
+    num_kv_blocks: int
+    steps: int
+    computed: np.ndarray
+    fetched: np.ndarray
+    unmasked_computed: int
+    unmasked_fetched: int
+    visit_map: np.ndarray  # [batch, num_outer, num_inner]: 0 skipped, 1 computed with mask, 2 computed full
+
+    @property
+    def total_computed(self) -> int:
+        return int(self.computed.sum())
+
+    @property
+    def total_fetched(self) -> int:
+        return int(self.fetched.sum())
+
+    @property
+    def computed_fraction(self) -> float:
+        return self.total_computed / self.unmasked_computed
+
+    @property
+    def fetched_fraction(self) -> float:
+        return self.total_fetched / self.unmasked_fetched
+
+
+def walk_grid(index_map, grid, prefetch) -> np.ndarray:
+    """Evaluate ``index_map`` over ``grid`` in the pipeline's (row-major) order.
+
+    Returns a bool array of the grid's shape: True where the block index differs from the
+    previous grid step's (a DMA is issued; the very first step always fetches).
+    """
+    fetch = np.zeros(grid, bool)
+    previous = None
+    for point in np.ndindex(*grid):
+        block = tuple(int(x) for x in index_map(*point, *prefetch))
+        fetch[point] = block != previous
+        previous = block
+    return fetch
+
+
+def _pass_schedule(spec, pass_name, blocks, segment_ids):
+    from tpuattn.pallas.forward import pad_axis  # the kernels' own padding rule
+
+    if pass_name == "forward":
+        fb = blocks.forward.clamp(spec.q_len, spec.kv_len)
+    elif pass_name in ("dq", "dkv"):
+        fb = blocks.backward.clamp(spec.q_len, spec.kv_len)
+    else:
+        raise ValueError(f"pass_name: expected 'forward', 'dq' or 'dkv', got {pass_name!r}")
+    bq, bk = fb.block_q, fb.block_kv
+    tq, tk = _round_up(spec.q_len, bq), _round_up(spec.kv_len, bk)
+    transpose = pass_name == "dkv"
+    overlap = None
+    if segment_ids is not None:
+        q_seg, kv_seg = (pad_axis(jnp.asarray(s, jnp.int32), 1, n, edge=True)
+                         for s, n in zip(segment_ids, (tq, tk), strict=True))
+        overlap = segment_overlap(q_seg, kv_seg, bq, bk, transpose=transpose)
+    sched = build_schedule(position_map(spec.mask, bq, bk, tq, tk, transpose=transpose), overlap)
+    return sched, bq, bk, tq // bq, tk // bk
+
+
+def kv_schedule(spec, block_sizes=None, segment_ids=None, pass_name: str = "forward") -> ScheduleCounts:
+    """Count the blocks a pass computes and fetches, from the schedule and index maps it runs.
+
+    Args:
+      spec: an :class:`tpuattn.AttentionSpec` (e.g. from ``tpuattn.make_spec``).
+      block_sizes: as the ``block_sizes`` option of ``impl="pallas"`` (None = defaults).
+      segment_ids: ``(q_segment_ids, kv_segment_ids)`` when ``spec.has_segments``.
+      pass_name: ``"forward"`` (K/V blocks per q block), ``"dq"`` (same, backward blocks) or
+        ``"dkv"`` (q blocks per kv block).
+    """
+    if spec.has_segments and segment_ids is None:
+        raise ValueError(
+            "segment_ids: expected (q_segment_ids, kv_segment_ids) for a spec with segments, got None")
+    blocks = as_block_sizes(block_sizes, spec.head_dim, spec.dtype)
+    sched, bq, bk, nq, nk = _pass_schedule(spec, pass_name, blocks, segment_ids)
+    prefetch = tuple(np.asarray(a) for a in sched.arrays())
+    count = prefetch[2].reshape(-1, sched.num_outer)
+    rows = count.shape[0]
+    index = prefetch[0].reshape(rows, sched.num_outer, sched.steps)
+    needs = prefetch[1].reshape(rows, sched.num_outer, sched.steps)
+    visit = np.zeros((rows, sched.num_outer, sched.num_inner), np.int8)
+    for r, o, s in np.ndindex(rows, sched.num_outer, sched.steps):
+        if s < count[r, o]:
+            visit[r, o, index[r, o, s]] = 1 if needs[r, o, s] else 2
+    if pass_name == "dkv":
+        heads, maps, streamed = spec.num_kv_heads, dkv_index_maps(sched, spec.group_size), "q"
+        grid = (spec.batch, heads, sched.num_outer, spec.group_size, sched.steps)
+        unmasked = build_schedule(np.full((sched.num_outer, sched.num_inner), FULL, np.int8))
+        inner_per_outer = spec.group_size * sched.num_inner
+    else:
+        heads, maps, streamed = spec.num_q_heads, forward_index_maps(sched, spec.group_size), "kv"
+        grid = (spec.batch, heads, sched.num_outer, sched.steps)
+        unmasked = build_schedule(np.full((sched.num_outer, sched.num_inner), FULL, np.int8))
+        inner_per_outer = sched.num_inner
+    fetch = walk_grid(maps[streamed], grid, prefetch)
+    fetched = fetch.reshape(spec.batch, heads, sched.num_outer, -1).sum(-1)
+    per_row = count[[sched.row(b) for b in range(spec.batch)]]  # [batch, num_outer]
+    computed = np.broadcast_to(per_row[:, None, :], (spec.batch, heads, sched.num_outer))
+    if pass_name == "dkv":
+        computed = computed * spec.group_size
+    unmasked_maps = (dkv_index_maps if pass_name == "dkv" else forward_index_maps)(unmasked, spec.group_size)
+    unmasked_grid = grid[:-1] + (unmasked.steps,)
+    unmasked_fetched = int(walk_grid(unmasked_maps[streamed], unmasked_grid,
+                                     tuple(np.asarray(a) for a in unmasked.arrays())).sum())
+    return ScheduleCounts(
+        pass_name=pass_name, block_q=bq, block_kv=bk, num_q_blocks=nq, num_kv_blocks=nk, steps=sched.steps,
+        computed=np.array(computed), fetched=fetched,
+        unmasked_computed=spec.batch * heads * sched.num_outer * inner_per_outer,
+        unmasked_fetched=unmasked_fetched, visit_map=visit)

@@ -1,0 +1,96 @@
+"""Plotting helpers shared by the notebooks: one style, labelled titles, one place figures go.
+
+Every figure says which backend produced its numbers and whether they were measured or modelled::
+
+    fig, ax = plt.subplots()
+    ...
+    ax.set_title(plots.labelled("Peak memory vs sequence length", measured=True))
+    plots.save_figure(fig, "01_memory")          # -> figures/01_memory.png
+
+Figures go to ``$TPUATTN_FIGURES_DIR`` when set (the test command points it at a temporary folder so
+nbval does not rewrite the committed figures), else to ``../figures`` when running from
+``notebooks/``, else to ``./figures``. Needs matplotlib (the ``notebooks`` extra).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib as mpl
+import matplotlib.pyplot as plt
+import numpy as np
+
+STYLE = {
+    "figure.dpi": 100,
+    "savefig.dpi": 120,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.titlesize": "medium",
+    "font.size": 10,
+    "legend.frameon": False,
+}
+
+
+def use_style() -> None:
+    """Apply the project's matplotlib style (call once per notebook)."""
+    mpl.rcParams.update(STYLE)
+
+
+def figures_dir() -> Path:
+    """Where :func:`save_figure` writes (see the module docstring); created if missing."""
+    if os.environ.get("TPUATTN_FIGURES_DIR"):
+        path = Path(os.environ["TPUATTN_FIGURES_DIR"])
+    elif Path.cwd().name == "notebooks":
+        path = Path.cwd().parent / "figures"
+    else:
+        path = Path.cwd() / "figures"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def save_figure(fig, name: str) -> Path:
+    """Save ``fig`` as ``<figures_dir>/<name>.png`` (``name`` like ``"01_memory"``); return the path."""
+    if not name.endswith(".png"):
+        name += ".png"
+    path = figures_dir() / name
+    # No "Software" metadata: the PNG bytes then depend only on the drawing, not the matplotlib version.
+    fig.savefig(path, bbox_inches="tight", metadata={"Software": None})
+    return path
+
+
+def backend_label(*, measured: bool, interpret: bool | None = None) -> str:
+    """``"cpu, measured"``, ``"TPU v5 lite, measured"``, ``"cpu (interpret), measured"``, ``"modelled"``."""
+    if not measured:
+        return "modelled"
+    from tpuattn import platform
+
+    return f"{platform.info().label(interpret=interpret)}, measured"
+
+
+def labelled(title: str, *, measured: bool, interpret: bool | None = None, chip: str | None = None) -> str:
+    """A title with its provenance: ``"<title>\\n(<backend>, measured)"`` or ``"(modelled for <chip>)"``."""
+    if measured:
+        return f"{title}\n({backend_label(measured=True, interpret=interpret)})"
+    return f"{title}\n(modelled{' for ' + chip if chip else ''})"
+
+
+def show_mask(ax, visible, *, title: str = "", xlabel: str = "key j", ylabel: str = "query i") -> None:
+    """Draw a boolean ``[q_len, kv_len]`` visibility matrix: dark = visible, light = hidden."""
+    visible = np.asarray(visible, bool)
+    ax.imshow(visible, cmap="Blues", vmin=-0.3, vmax=1.0, interpolation="nearest", aspect="equal")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(False)
+    q_len, kv_len = visible.shape
+    ax.set_xticks(range(0, kv_len, max(1, kv_len // 4)))
+    ax.set_yticks(range(0, q_len, max(1, q_len // 4)))
+    if title:
+        ax.set_title(title)
+
+
+def close(fig) -> None:
+    """Close a figure after it has been shown/saved (keeps long notebooks' memory flat)."""
+    plt.close(fig)
