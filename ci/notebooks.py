@@ -104,7 +104,7 @@ def main() -> int:
     parser.add_argument("--out", default="out/notebooks", help="folder for executed notebooks")
     parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="override a parameters-cell variable (Python literal)")
-    parser.add_argument("--cell-timeout", type=int, default=900, help="seconds per cell")
+    parser.add_argument("--cell-timeout", type=int, default=300, help="seconds per cell")
     args = parser.parse_args()
 
     _venv.reexec_in(_venv.MAIN)

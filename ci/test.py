@@ -106,8 +106,10 @@ def stage_pairs() -> str:
 
 def stage_unit(env: _venv.Env) -> str:
     # --durations: the slowest tests are named in every CI log, so the 25-minute budget can be watched.
+    # -n 2: two pytest-xdist workers, one per core. Most of the time is XLA compiling (one thread
+    # each), so two workers come close to halving the stage.
     return pytest_result(run([str(env.python), "-m", "pytest", "-p", "no:cacheprovider", "--durations=15",
-                              "tests"]))
+                              "-n", "2", "tests"]))
 
 
 def stage_nbval() -> str:
@@ -116,7 +118,9 @@ def stage_nbval() -> str:
         return "FAILED (no notebooks/NN_*.ipynb to check)"
     with tempfile.TemporaryDirectory(prefix="tpuattn-nbval-figures-") as figures:
         code = run([str(_venv.MAIN.python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "nbval_plugin",
-                    "--nbval", "--nbval-current-env", "--nbval-cell-timeout", "900",
+                    "--nbval", "--nbval-current-env", "--nbval-cell-timeout", "300",
+                    # One notebook per worker, its cells in order, two notebooks at a time.
+                    "-n", "2", "--dist", "loadfile",
                     "--nbval-sanitize-with", "ci/nbval_sanitize.cfg", *ipynbs],
                    env={"PYTHONPATH": str(ROOT / "ci"), "TPUATTN_FIGURES_DIR": figures})
     return pytest_result(code)

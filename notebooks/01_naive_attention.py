@@ -43,6 +43,7 @@ if "google.colab" in sys.modules:
 # %% tags=["nbval-ignore-output"]
 import tpuattn
 from tpuattn import platform
+from tpuattn.exercises import run_checks
 
 PLATFORM = platform.info()
 print(PLATFORM.summary())
@@ -522,12 +523,7 @@ def check_exercises():
             decode_visible(10, 3), numpy_mask(1, 10, causal=True, window=(3, 0))[0]),
         "3 budget": lambda: assert_budget(largest_batch()),
     }
-    for name, check in checks.items():
-        try:
-            check()
-            print(f"exercise {name}: correct")
-        except NotImplementedError:
-            print(f"exercise {name}: not done yet (hint: see the markdown above the stubs)")
+    run_checks(checks)
 
 
 def assert_budget(batch):

@@ -59,8 +59,8 @@ MAP_LEN, MAP_BLOCK = 2048, 256
 LOOP_LEN, LOOP_HEADS, LOOP_BLOCK_Q, LOOP_BLOCK_KV, LOOP_REPEATS = 2048, 4, 128, 256, 3
 RUN_TIMING = True
 # Section 5: peak memory (child-process max RSS) at these lengths, 4 heads of 64, float32.
-# (Below ~2048 tokens the call hides under the runtime's own start-up peak; try up to 8192.)
-MEMORY_LENGTHS = [2048, 4096]
+# (The child resets its peak just before the call, so small lengths are visible too; try up to 8192.)
+MEMORY_LENGTHS = [1024, 2048]
 RUN_MEMORY = True
 
 # %%

@@ -50,6 +50,7 @@ if "google.colab" in sys.modules:
 # %% tags=["nbval-ignore-output"]
 import tpuattn
 from tpuattn import platform
+from tpuattn.exercises import run_checks
 
 PLATFORM = platform.info()
 print(PLATFORM.summary())
@@ -466,12 +467,7 @@ def check_exercises():
             rtol=0.02),
         "3 block size": lambda: np.testing.assert_equal(smallest_compute_bound_block_q(), 256),
     }
-    for name, check in checks.items():
-        try:
-            check()
-            print(f"exercise {name}: correct")
-        except NotImplementedError:
-            print(f"exercise {name}: not done yet (hint: see the markdown above the stubs)")
+    run_checks(checks)
 
 
 check_exercises()

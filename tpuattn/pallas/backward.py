@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from tpuattn._common import matmul_precision
 from tpuattn.pallas import compat, schedule
 from tpuattn.pallas.blocks import LANES, SUBLANES
-from tpuattn.pallas.forward import NT_DIMS, pad_axis, segment_layouts, to_kernel_layout
+from tpuattn.pallas.forward import NT_DIMS, pad_axis, segment_layouts, tile_visibility, to_kernel_layout
 
 pl, pltpu = compat.pl, compat.pltpu
 
@@ -82,13 +82,8 @@ def _dq_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, scale, 
         # logsumexp = m + log l, lanes 0 and 1 of a [block_q, 128] tile.
         p = jnp.exp((s - lse_ref[:, 0:1]) - lse_ref[:, 1:2])
         if apply_mask:
-            kv_block = index_ref[flat]
-            rows = i * block_q + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-            cols = kv_block * block_kv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            if has_segments:
-                keep = mask.visible(rows, cols, q_seg_ref[:, :1], kv_seg_ref[:1, :], xp=jnp)
-            else:
-                keep = mask.visible(rows, cols, xp=jnp)
+            segments = (q_seg_ref[:, :1], kv_seg_ref[:1, :]) if has_segments else ()
+            keep = tile_visibility(mask, s.shape, i * block_q, index_ref[flat] * block_kv, *segments)
             p = jnp.where(keep, p, 0.0)
         dp = jax.lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
         # rowsum(P * dP) from these very tiles: the dK/dV pass uses it as its delta (see backward).
@@ -135,13 +130,9 @@ def _dkv_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, scale,
         st, dcap = _softcap_grad(st * scale, softcap)
         pt = jnp.exp((st - lse_ref[0:1, :]) - lse_ref[1:2, :])  # rows: m, log l
         if apply_mask:
-            q_block = index_ref[flat]
-            cols = q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, st.shape, 1)  # query index
-            rows = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, st.shape, 0)  # key index
-            if has_segments:
-                keep = mask.visible(cols, rows, q_seg_ref[:1, :], kv_seg_ref[:, :1], xp=jnp)
-            else:
-                keep = mask.visible(cols, rows, xp=jnp)
+            segments = (q_seg_ref[:1, :], kv_seg_ref[:, :1]) if has_segments else ()
+            keep = tile_visibility(mask, st.shape, index_ref[flat] * block_q, j * block_kv, *segments,
+                                   transposed=True)
             pt = jnp.where(keep, pt, 0.0)
         dv_acc[...] += jnp.dot(pt.astype(do.dtype), do, precision=precision,
                                preferred_element_type=jnp.float32)

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tpuattn._common import matmul_precision
+from tpuattn._common import apply_softcap, matmul_precision
 from tpuattn.pallas import compat, schedule
 from tpuattn.pallas.blocks import LANES, SUBLANES
 
@@ -61,8 +61,17 @@ def segment_layouts(segment_ids, tq: int, tk: int):
             "kv_col": column(kv_seg), "kv_row": row(kv_seg)}
 
 
-def softcapped(s, softcap):
-    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+def tile_visibility(mask, shape, q_start, kv_start, q_seg=None, kv_seg=None, *, transposed=False):
+    """Which elements of one score tile the mask keeps, from iotas inside the kernel.
+
+    The tile is ``[block_q, block_kv]`` (queries on sublanes), or its transpose when
+    ``transposed`` (keys on sublanes, as in the dK/dV kernel). ``q_seg``/``kv_seg`` are the
+    tile's segment ids already laid out to broadcast against it.
+    """
+    q_axis, kv_axis = (1, 0) if transposed else (0, 1)
+    q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, shape, kv_axis)
+    return mask.visible(q_idx, kv_idx, q_seg, kv_seg, xp=jnp)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -88,15 +97,10 @@ def _forward_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, sc
     def update(apply_mask: bool):
         q, k, v = q_ref[...], k_ref[...], v_ref[...]
         s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-        s = softcapped(s * scale, softcap)
+        s = apply_softcap(s * scale, softcap)
         if apply_mask:
-            kv_block = index_ref[flat]
-            rows = i * block_q + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-            cols = kv_block * block_kv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            if has_segments:
-                keep = mask.visible(rows, cols, q_seg_ref[:, :1], kv_seg_ref[:1, :], xp=jnp)
-            else:
-                keep = mask.visible(rows, cols, xp=jnp)
+            segments = (q_seg_ref[:, :1], kv_seg_ref[:1, :]) if has_segments else ()
+            keep = tile_visibility(mask, s.shape, i * block_q, index_ref[flat] * block_kv, *segments)
             s = jnp.where(keep, s, -jnp.inf)
         m_prev, l_prev = m_ref[...], l_ref[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
