@@ -146,6 +146,9 @@ def xla_supports(spec) -> str | None:
     if spec.softcap is not None:
         return ("softcap: jax.nn.dot_product_attention has no logit soft-capping (checked in JAX 0.7.2 "
                 "and 0.10.2); use impl='splash' on TPU or 'reference'/'blockwise'")
+    if jnp.dtype(spec.dtype) == jnp.float16 and jax.default_backend() == "cpu":
+        return ("float16 on CPU: jax.nn.dot_product_attention does not compile under jit there (XLA: "
+                "precision 'F16_F16_F32' is not supported by dot_general on CPU); use bfloat16 or float32")
     return None
 
 
