@@ -224,7 +224,7 @@ for step in steps[:3]:
 # slower than XLA's attention, and expressing the query blocks with `vmap` made it about **45x faster
 # on a TPU v5e** (their measurement, not ours). Below: the same two versions measured on this backend.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def check_and_time():
     shape = (1, LOOP_LEN, LOOP_HEADS, 64)
     keys = jax.random.split(jax.random.PRNGKey(SEED), 3)
@@ -279,7 +279,7 @@ if RUN_TIMING:
 # `heads x L x L` float32 scores (more in the backward pass, which keeps the probabilities); blockwise
 # holds one step's tile, `rows x block_kv`, plus per-row state.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 if RUN_MEMORY:
     from tpuattn.memory import measure_peak_memory
 
