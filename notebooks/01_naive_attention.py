@@ -70,7 +70,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from tpuattn import plots
-from tpuattn.masks import MaskSpec
+from tpuattn.spec import MaskSpec
 
 plots.use_style()
 rng = np.random.default_rng(SEED)
@@ -386,7 +386,7 @@ print(f"GQA ({NUM_HEADS} query heads, {NUM_KV_HEADS} kv heads) matches float64, 
 # `MEASURE_HEADS` heads, head_dim 16, float32). Beside it, the bytes of one float32 score matrix.
 
 # %% tags=["nbval-ignore-output"]
-from tpuattn.memory import measure_peak_memory
+from tpuattn.measure.memory import measure_peak_memory
 
 MIB = 2**20
 measured = []

@@ -72,7 +72,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from tpuattn import blockwise, blockwise_viz, plots
-from tpuattn.masks import MaskSpec
+from tpuattn.spec import MaskSpec
 
 plots.use_style()
 rng = np.random.default_rng(SEED)
@@ -281,7 +281,7 @@ if RUN_TIMING:
 
 # %% tags=["nbval-ignore-output"]
 if RUN_MEMORY:
-    from tpuattn.memory import measure_peak_memory
+    from tpuattn.measure.memory import measure_peak_memory
 
     memory = {}
     print(f"call MiB, {LABEL}, measured; batch 1, 4 heads, head_dim 64, float32")

@@ -84,7 +84,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuattn import plots
-from tpuattn._common import matmul_precision
+from tpuattn.impl.common import matmul_precision
 from tpuattn.pallas import visualize as viz
 
 plots.use_style()
@@ -672,7 +672,7 @@ def peak_bf16_tflops():
 
 # %% tags=["nbval-ignore-output"]
 if ON_TPU and RUN_BENCHMARKS:
-    from tpuattn.timing import time_jitted
+    from tpuattn.measure.timing import time_jitted
 
     peak, source = peak_bf16_tflops()
     peak_text = f"{peak:.0f} TFLOP/s ({source})" if peak else f"unknown ({source})"

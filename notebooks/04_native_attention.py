@@ -77,7 +77,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from tpuattn import plots, roofline
-from tpuattn.timing import time_jitted
+from tpuattn.measure.timing import time_jitted
 
 plots.use_style()
 rng = np.random.default_rng(SEED)

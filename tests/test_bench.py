@@ -10,8 +10,8 @@ import sys
 import jax
 import pytest
 
-from tpuattn import api, bench
-from tpuattn.reference import reference_attention
+from tpuattn import api, bench, registry
+from tpuattn.impl.reference import reference_attention
 
 # ----------------------------------------------------------------------------- FLOPs
 
@@ -52,8 +52,8 @@ def fake_impls(monkeypatch):
     """Registers throwaway implementations (removed after the test)."""
 
     def add(name, fn=reference_attention, **kwargs):
-        monkeypatch.setitem(api._REGISTRY, name, api.Implementation(name=name, fn=fn, description="test",
-                                                                   **kwargs))
+        record = registry.Implementation(name=name, fn=fn, description="test", **kwargs)
+        monkeypatch.setitem(registry._REGISTRY, name, record)
         return name
 
     api._load()

@@ -12,8 +12,8 @@ import pytest
 from oracle import _allowed, oracle_attention, oracle_grads
 
 import tpuattn
-from tpuattn import blockwise
-from tpuattn.masks import MaskSpec
+from tpuattn.impl import blockwise
+from tpuattn.spec import MaskSpec
 
 FWD_TOL = 2e-5  # float32, as the shared suite
 GRAD_TOL = 1e-4

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpuattn.masks import EMPTY, FULL, PARTIAL, MaskSpec
+from tpuattn.spec import EMPTY, FULL, PARTIAL, MaskSpec
 
 NUM_RANDOM_SPECS = 300
 

@@ -15,8 +15,6 @@ import pytest
 from oracle import oracle_attention, oracle_grads
 
 import tpuattn
-from tpuattn.api import AttentionSpec
-from tpuattn.masks import MaskSpec
 from tpuattn.pallas import (
     BackwardBlocks,
     BlockSizes,
@@ -28,6 +26,7 @@ from tpuattn.pallas import (
     resolve_interpret,
     walk_grid,
 )
+from tpuattn.spec import AttentionSpec, MaskSpec
 
 FWD_TOL, GRAD_TOL = 2e-5, 1e-4  # float32 against the float64 oracle, as the shared suite
 # JAX's shipped kernels' own test tolerances (float32).

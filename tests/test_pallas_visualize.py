@@ -7,9 +7,9 @@ where matplotlib / ipywidgets are installed (the JAX 0.7.2 test environment has 
 import numpy as np
 import pytest
 
-from tpuattn.masks import EMPTY, MaskSpec
 from tpuattn.pallas import visualize as viz
 from tpuattn.pallas.blocks import ForwardBlocks
+from tpuattn.spec import EMPTY, MaskSpec
 
 
 def test_causal_4096_counts_and_bytes():

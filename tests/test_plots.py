@@ -11,7 +11,8 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tpuattn import platform, plots  # noqa: E402
+from tpuattn.measure import runtime as platform  # noqa: E402
+from tpuattn.viz import style as plots  # noqa: E402
 
 
 def test_save_figure_honours_env_dir_and_writes_png(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from tpuattn import bench, roofline
-from tpuattn.roofline import GIB, MIB, PUBLISHED
+from tpuattn.model.roofline import GIB, MIB, PUBLISHED
 
 # ----------------------------------------------------------------------------- chips
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tpuattn
-from tpuattn import api
+from tpuattn import api, registry
 
 
 def arrays(q_shape=(2, 6, 4, 8), kv_shape=(2, 6, 2, 8), dtype=jnp.float32):
@@ -200,10 +200,10 @@ def fake_implementations():
     api._load()
     api.register("_test_unavailable", fn, description="never available", available=lambda: False)
     api.register("_test_picky", fn, description="rejects causal",
-                 supports=lambda spec: "causal masks are not implemented" if spec.causal else None)
+                 supports=lambda spec, backend: "causal masks are not implemented" if spec.causal else None)
     yield calls
     for name in ("_test_unavailable", "_test_picky"):
-        api._REGISTRY.pop(name, None)
+        registry.unregister(name)
 
 
 def test_unavailable_impl(fake_implementations):

@@ -1,24 +1,29 @@
 """tpuattn: attention on TPUs, from naive to a Pallas kernel, behind one contract."""
 
 from tpuattn.api import (
-    AttentionSpec,
     attention,
+    choose,
     choose_implementation,
     implementations,
     known_implementations,
-    make_spec,
-    register,
 )
-from tpuattn.masks import MaskSpec
+from tpuattn.errors import UnavailableImplementation, UnsupportedInput
+from tpuattn.registry import Implementation, register
+from tpuattn.spec import AttentionSpec, MaskSpec, make_spec, spec_from_shapes
 
 __all__ = [
     "AttentionSpec",
+    "Implementation",
     "MaskSpec",
+    "UnavailableImplementation",
+    "UnsupportedInput",
     "attention",
+    "choose",
     "choose_implementation",
     "implementations",
     "known_implementations",
     "make_spec",
     "register",
+    "spec_from_shapes",
 ]
 __version__ = "0.1.0"

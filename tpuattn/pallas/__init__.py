@@ -20,7 +20,7 @@ Public API (stable; notebook 03 and ``visualize.py`` use it):
     :func:`forward_vmem_bytes`, :func:`backward_vmem_bytes` -- block sizes (``blocks.py``);
   * :func:`kv_schedule` -> :class:`ScheduleCounts` -- blocks computed / fetched per pass, counted
     from the kernel's own schedule and index maps; :func:`build_schedule`, :func:`position_map`,
-    :func:`forward_index_maps`, :func:`dkv_index_maps`, :func:`walk_grid` (``schedule.py``);
+    :func:`forward_index_maps`, :func:`dkv_index_maps`, :func:`walk_grid` (``plan.py``);
   * :func:`flash_forward` (out and logsumexp terms), :func:`flash_backward` (dq, dk, dv) -- the
     kernels' drivers (``forward.forward`` and ``backward.backward``; the submodules keep their names);
   * :func:`pallas_attention` -- the registered implementation; :func:`resolve_interpret`;
@@ -30,7 +30,7 @@ Design in one paragraph each:
   * Layout: the contract's ``[batch, seq, heads, head_dim]`` is transposed to
     ``[batch, heads, seq, head_dim]`` and padded (head_dim to 128 lanes, sequences to the block
     multiples) outside the kernels; padded keys are hidden by the mask's ``kv_idx < kv_len``.
-  * Skipping: a per-outer-block schedule (``schedule.py``) is scalar-prefetched; index maps
+  * Skipping: a per-outer-block schedule (``plan.py``) is scalar-prefetched; index maps
     read it so a step past a block's count names the block already resident (no DMA) and
     ``pl.when`` skips its compute; the grid's reduction axis is as long as the longest list.
     Segment ids add a run-time per-tile [min, max] overlap test computed in JAX.
@@ -40,11 +40,10 @@ Design in one paragraph each:
   * Backward: FlashAttention-2, a dQ kernel (kv loop) and a dK/dV kernel (q loop), with the
     logsumexp saved as (max, log sum) for precision; see ``backward.py`` for the delta.
 
-Files: ``compat.py`` (JAX 0.7.2 vs 0.10.2), ``blocks.py``, ``schedule.py``, ``forward.py``,
-``backward.py``, ``kernel.py`` (custom VJP and options).
+Files: ``compat.py`` (JAX 0.7.2 vs 0.10.2), ``blocks.py``, ``plan.py``, ``forward.py``,
+``backward.py``, ``vjp.py`` (custom VJP and options).
 """
 
-from tpuattn import api
 from tpuattn.pallas import compat
 from tpuattn.pallas.backward import backward as flash_backward
 from tpuattn.pallas.blocks import (
@@ -57,8 +56,7 @@ from tpuattn.pallas.blocks import (
 )
 from tpuattn.pallas.compat import races_found, reset_races, vmem_capacity_bytes
 from tpuattn.pallas.forward import forward as flash_forward
-from tpuattn.pallas.kernel import OPTIONS, pallas_attention, resolve_interpret
-from tpuattn.pallas.schedule import (
+from tpuattn.pallas.plan import (
     Schedule,
     ScheduleCounts,
     build_schedule,
@@ -68,6 +66,8 @@ from tpuattn.pallas.schedule import (
     position_map,
     walk_grid,
 )
+from tpuattn.pallas.vjp import OPTIONS, pallas_attention, resolve_interpret
+from tpuattn.registry import register
 
 __all__ = [
     "OPTIONS",
@@ -95,8 +95,19 @@ __all__ = [
     "walk_grid",
 ]
 
-api.register(
+
+
+def _default_forward_blocks(spec, vmem_bytes=None) -> tuple[int, int]:
+    forward = default_block_sizes(spec.head_dim, spec.dtype, vmem_bytes).forward
+    return forward.block_q, forward.block_kv
+
+
+register(
     "pallas",
     pallas_attention,
     description="Pallas TPU flash attention (compiled on TPU, interpret mode elsewhere), custom VJP",
+    interpreted_off_tpu=True,
+    schedule="flash",
+    default_blocks=_default_forward_blocks,
+    options=OPTIONS,
 )

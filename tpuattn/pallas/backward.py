@@ -41,8 +41,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tpuattn._common import matmul_precision
-from tpuattn.pallas import compat, schedule
+from tpuattn.impl.common import matmul_precision
+from tpuattn.pallas import compat
+from tpuattn.pallas import plan as schedule
 from tpuattn.pallas.blocks import LANES, SUBLANES
 from tpuattn.pallas.forward import NT_DIMS, pad_axis, segment_layouts, tile_visibility, to_kernel_layout
 

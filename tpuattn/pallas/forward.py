@@ -17,8 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tpuattn._common import apply_softcap, matmul_precision
-from tpuattn.pallas import compat, schedule
+from tpuattn.impl.common import apply_softcap, matmul_precision
+from tpuattn.pallas import compat
+from tpuattn.pallas import plan as schedule
 from tpuattn.pallas.blocks import LANES, SUBLANES
 
 pl, pltpu = compat.pl, compat.pltpu

@@ -22,9 +22,9 @@ import dataclasses
 import numpy as np
 
 from tpuattn.api import AttentionSpec
-from tpuattn.masks import MaskSpec
-from tpuattn.pallas import schedule as _schedule
+from tpuattn.pallas import plan as _schedule
 from tpuattn.pallas.blocks import LANES, ForwardBlocks, as_block_sizes
+from tpuattn.spec import MaskSpec
 
 # Tile / step categories used by the drawing (and returned by grid_walk).
 SKIPPED, MASKED, FULL_TILE = 0, 1, 2

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuattn.masks import EMPTY, FULL
 from tpuattn.pallas.blocks import as_block_sizes
+from tpuattn.spec import EMPTY, FULL
 
 
 def _round_up(n: int, m: int) -> int:

@@ -58,9 +58,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tpuattn import api
-from tpuattn._common import check_block, check_options, matmul_precision
-from tpuattn.masks import EMPTY, FULL, MaskSpec
+from tpuattn._checks import known_options, positive_int
+from tpuattn.impl.common import matmul_precision, pad_to_multiple
+from tpuattn.registry import register
+from tpuattn.spec import EMPTY, FULL, MaskSpec
 
 OPTIONS = ("block_q", "block_kv")
 
@@ -345,22 +346,12 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 # ----------------------------------------------------------------------------- the contract
-def _pad_to(x, axis, multiple, value=0):
-    size = x.shape[axis]
-    extra = -size % multiple
-    if not extra:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def resolve_blocks(spec, options) -> tuple[int, int]:
     """Validate the options and return the ``(block_q, block_kv)`` actually used (clipped to lengths)."""
-    check_options("blockwise", options, OPTIONS)
+    known_options("blockwise", options, OPTIONS)
     default_q, default_kv = default_blocks(spec.q_len, spec.kv_len)
-    block_q = check_block("block_q", options["block_q"]) if "block_q" in options else default_q
-    block_kv = check_block("block_kv", options["block_kv"]) if "block_kv" in options else default_kv
+    block_q = positive_int("block_q", options["block_q"]) if "block_q" in options else default_q
+    block_kv = positive_int("block_kv", options["block_kv"]) if "block_kv" in options else default_kv
     return min(block_q, spec.q_len), min(block_kv, spec.kv_len)
 
 
@@ -378,20 +369,31 @@ def blockwise_attention(q, k, v, segment_ids, spec, **options):
     b, tq, hq, d = q.shape
     hkv, g = spec.num_kv_heads, spec.group_size
     # [b, Tq, hq, d] -> [b, hkv, g, Tq, d]; query head h reads kv head h // g.
-    qt = _pad_to(q, 1, block_q).reshape(b, -1, hkv, g, d).transpose(0, 2, 3, 1, 4)
-    kt = _pad_to(k, 1, block_kv).transpose(0, 2, 1, 3)
-    vt = _pad_to(v, 1, block_kv).transpose(0, 2, 1, 3)
+    qt = pad_to_multiple(q, 1, block_q).reshape(b, -1, hkv, g, d).transpose(0, 2, 3, 1, 4)
+    kt = pad_to_multiple(k, 1, block_kv).transpose(0, 2, 1, 3)
+    vt = pad_to_multiple(v, 1, block_kv).transpose(0, 2, 1, 3)
     segs = None
     if segment_ids is not None:
         # Padded query rows get a segment of their own; padded keys are hidden by position anyway.
-        segs = (_pad_to(segment_ids[0], 1, block_q, value=-1), _pad_to(segment_ids[1], 1, block_kv, value=-2))
+        segs = (pad_to_multiple(segment_ids[0], 1, block_q, value=-1),
+                pad_to_multiple(segment_ids[1], 1, block_kv, value=-2))
     out = _flash(cfg, qt, kt, vt, segs)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, -1, hq, d)[:, :tq]
 
 
-api.register("blockwise", blockwise_attention,
-             description="online softmax in pure JAX: static schedule over key blocks, masked blocks "
-                         "skipped, recomputing custom VJP (linear memory)")
+def blockwise_auto_rank(spec, backend: str) -> float:
+    """Second choice everywhere; the first on CPU once ``xla``'s score matrix passes 1 GiB
+    (its memory is linear in the length: see :func:`tpuattn.impl.xla.xla_auto_rank`)."""
+    if backend == "cpu" and 4 * spec.batch * spec.num_q_heads * spec.q_len * spec.kv_len > 1024**3:
+        return 0.0
+    return 2.0
+
+
+register("blockwise", blockwise_attention, auto_rank=blockwise_auto_rank, schedule="blockwise (XLA loop)",
+         default_blocks=lambda spec, vmem_bytes=None: default_blocks(spec.q_len, spec.kv_len),
+         options=OPTIONS,
+         description="online softmax in pure JAX: static schedule over key blocks, masked blocks "
+                     "skipped, recomputing custom VJP (linear memory)")
 
 
 # ----------------------------------------------------------------------------- teaching versions
@@ -401,7 +403,7 @@ def _check_teaching(q, k, v, block_q, block_kv):
                          f"{q.shape}, {k.shape}, {v.shape}")
     n = q.shape[1]
     for name, block in (("block_q", block_q), ("block_kv", block_kv)):
-        check_block(name, block)
+        positive_int(name, block)
         if n % block:
             raise ValueError(f"{name}: expected a divisor of the sequence length {n}, got {block}")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpuattn.bench import TIMING_INTERPRET, BenchResults
+from tpuattn.measure.bench import TIMING_INTERPRET, BenchResults
 
 
 def measured_label(results: BenchResults) -> str:
@@ -143,7 +143,7 @@ def plot_roofline(ax, chip, predictions=(), *, dtype="bfloat16", measured=()) ->
     intensity and attainable FLOP/s (executed FLOPs / predicted time). ``measured``: tuples
     ``(label, intensity, flops_per_s)`` from a real run on this chip.
     """
-    from tpuattn import roofline
+    from tpuattn.model import roofline
 
     chip = chip if isinstance(chip, roofline.ChipSpec) else roofline.chip_spec(chip)
     predictions = list(predictions)

@@ -65,7 +65,7 @@ def backend_label(*, measured: bool, interpret: bool | None = None) -> str:
     """``"cpu, measured"``, ``"TPU v5 lite, measured"``, ``"cpu (interpret), measured"``, ``"modelled"``."""
     if not measured:
         return "modelled"
-    from tpuattn import platform
+    from tpuattn.measure import runtime as platform
 
     return f"{platform.info().label(interpret=interpret)}, measured"
 

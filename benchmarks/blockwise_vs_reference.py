@@ -29,9 +29,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import tpuattn  # noqa: E402
-from tpuattn.memory import measure_peak_memory  # noqa: E402
-from tpuattn.platform import info  # noqa: E402
-from tpuattn.timing import time_jitted  # noqa: E402
+from tpuattn.measure.memory import measure_peak_memory  # noqa: E402
+from tpuattn.measure.runtime import info  # noqa: E402
+from tpuattn.measure.timing import time_jitted  # noqa: E402
 
 HEADS, HEAD_DIM = 4, 64
 

@@ -10,7 +10,7 @@ Usage from Python::
 
     peak = measure_peak_memory("blockwise", seq_len=4096, mode="fwd")
 
-or from a shell: ``python -m tpuattn.memory --impl blockwise --seq-len 4096 --mode fwd``.
+or from a shell: ``python -m tpuattn.measure.memory --impl blockwise --seq-len 4096 --mode fwd``.
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ def measure_peak_memory(impl: str, seq_len: int, *, mode: str = "fwd", causal: b
     """Run one call in a child process and return its peak memory (see module docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    cmd = [sys.executable, "-m", "tpuattn.memory", "--impl", impl, "--seq-len", str(seq_len), "--mode", mode,
-           "--batch", str(batch), "--heads", str(heads), "--head-dim", str(head_dim), "--dtype", dtype]
+    cmd = [sys.executable, "-m", "tpuattn.measure.memory", "--impl", impl, "--seq-len", str(seq_len),
+           "--mode", mode, "--batch", str(batch), "--heads", str(heads), "--head-dim", str(head_dim),
+           "--dtype", dtype]
     if kv_heads:
         cmd += ["--kv-heads", str(kv_heads)]
     if causal:

@@ -8,12 +8,12 @@ from typing import Any
 
 import jax
 
-from tpuattn import api
-from tpuattn._common import check_options
+from tpuattn._checks import known_options
 from tpuattn.pallas import compat
 from tpuattn.pallas.backward import backward
 from tpuattn.pallas.blocks import BlockSizes, as_block_sizes
 from tpuattn.pallas.forward import forward
+from tpuattn.spec import AttentionSpec
 
 OPTIONS = ("block_sizes", "interpret")
 
@@ -44,7 +44,7 @@ def resolve_interpret(interpret) -> Any:
 class Config:
     """Static (hashable) arguments of one call."""
 
-    spec: api.AttentionSpec
+    spec: AttentionSpec
     blocks: BlockSizes
     interpret: Any
 
@@ -72,7 +72,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def pallas_attention(q, k, v, segment_ids, spec, **options):
     """The ``impl="pallas"`` entry point (see :mod:`tpuattn.pallas` for the options)."""
-    check_options("pallas", options, OPTIONS)
+    known_options("pallas", options, OPTIONS)
     blocks = as_block_sizes(options.get("block_sizes"), spec.head_dim, spec.dtype)
     interpret = resolve_interpret(options.get("interpret"))
     return _flash(q, k, v, segment_ids, Config(spec, blocks, interpret))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpuattn.masks import EMPTY, FULL, PARTIAL
+from tpuattn.spec import EMPTY, FULL, PARTIAL
 
 # EMPTY (skipped), PARTIAL (masked), FULL (no mask arithmetic).
 BLOCK_COLOURS = {EMPTY: "#f2f2f2", PARTIAL: "#f4a259", FULL: "#3d7ea6"}

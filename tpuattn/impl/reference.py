@@ -10,8 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tpuattn import api
-from tpuattn._common import apply_softcap, check_options, matmul_precision
+from tpuattn._checks import known_options
+from tpuattn.impl.common import apply_softcap, matmul_precision
+from tpuattn.registry import register
 
 
 def scores(q, k, spec):
@@ -25,18 +26,13 @@ def scores(q, k, spec):
 
 def visibility(segment_ids, spec):
     """Boolean mask broadcastable to the scores: ``[batch or 1, 1, 1, q_len, kv_len]``."""
-    rows = jnp.arange(spec.q_len)[:, None]
-    cols = jnp.arange(spec.kv_len)[None, :]
-    if segment_ids is None:
-        return spec.mask.visible(rows, cols, xp=jnp)[None, None, None]
-    q_seg, kv_seg = segment_ids
-    keep = spec.mask.visible(rows[None], cols[None], q_seg[:, :, None], kv_seg[:, None, :], xp=jnp)
-    return keep[:, None, None]
+    keep = spec.mask.dense(*(segment_ids or (None, None)), xp=jnp)
+    return keep[None, None, None] if segment_ids is None else keep[:, None, None]
 
 
 def reference_attention(q, k, v, segment_ids, spec, **options):
     """Softmax over the full score matrix; rows that see no key return zeros."""
-    check_options("reference", options, ())
+    known_options("reference", options, ())
     s = scores(q, k, spec)
     keep = visibility(segment_ids, spec)
     s = jnp.where(keep, s, -jnp.inf)
@@ -52,5 +48,7 @@ def reference_attention(q, k, v, segment_ids, spec, **options):
     return out.reshape(q.shape).astype(q.dtype)
 
 
-api.register("reference", reference_attention,
-             description="materialised softmax over the full score matrix (the baseline)")
+register("reference", reference_attention,
+         description="materialised softmax over the full score matrix (the baseline)",
+         # The last resort of impl="auto": it supports everything, at quadratic memory.
+         auto_rank=lambda spec, backend: 9.0, schedule="materialised")

@@ -1,0 +1,181 @@
+"""``impl="splash"``: JAX's splash-attention Pallas kernel for TPUs behind the contract.
+
+``jax.experimental.pallas.ops.tpu.splash_attention``, forward and its custom backward, run in
+interpret mode off a TPU. What the adapter translates:
+
+* layout: ``[batch, seq, heads, head_dim]`` to splash's ``[heads, seq, head_dim]``, vmapped over batch;
+* scale: splash takes none, so ``q`` is multiplied by ``scale``;
+* causal, window: ``CausalMask`` / ``LocalMask`` with ``offset = kv_len - q_len`` (bottom-right);
+* segment ids: ``SegmentIds``; softcap: ``attn_logits_soft_cap``;
+* GQA / MQA: the MHA kernel with fewer kv heads, or the MQA kernel;
+* lengths: padded to the block size; padded keys get a segment id no query has;
+* rows that see no key: a "sink" logit of -1e30 with value 0, so they return 0 and gradients stay
+  finite.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tpuattn._checks import known_options, positive_int, round_up
+from tpuattn.impl.common import long_enough_for_flash
+from tpuattn.registry import register
+
+# ---------------------------------------------------------------------------- impl="splash"
+SPLASH_OPTIONS = ("block_q", "block_kv", "interpret")
+# 512 x 512 tiles: big enough to keep the MXU busy on a TPU and to make few interpret steps on
+# CPU; capped at the (128-rounded) sequence length so short inputs are not padded far.
+DEFAULT_SPLASH_BLOCK = 512
+# Splash tiles are multiples of the 128 TPU lanes (its segment-id and mask code tiles by 128).
+SPLASH_LANES = 128
+# A query with no visible key must return 0. Splash's "attention sink" is one extra logit per
+# head, with value 0, that enters every row's softmax; at -1e30 it is exp(-1e30 - m) = 0 next
+# to any real logit m, but it keeps the denominator at 1 (not 0) for a row whose real keys are
+# all masked (splash fills those with -0.7 * float32 max, below the sink).
+_EMPTY_ROW_SINK = -1e30
+
+
+def _splash_module():
+    from jax.experimental.pallas.ops.tpu import splash_attention
+
+    return splash_attention
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(q_len_padded, kv_len_padded, num_q_heads, mqa, positional, block_q, block_kv, softcap,
+                   interpret):
+    """Build (and cache: it inspects every tile on the host) a splash kernel for one problem."""
+    sa = _splash_module()
+    shape = (q_len_padded, kv_len_padded)
+    kind, window, offset = positional
+    if kind == "full":
+        head_mask = sa.FullMask(shape)
+    elif kind == "causal":
+        head_mask = sa.CausalMask(shape, offset=offset)
+    else:
+        head_mask = sa.LocalMask(shape, window_size=window, offset=offset)
+    blocks = sa.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
+                           block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
+                           block_q_dq=block_q, block_kv_dq=block_kv)
+    make = sa.make_splash_mqa if mqa else sa.make_splash_mha
+    # The kernel holds the tile tables as arrays. Build them as constants even when called while
+    # tracing (under jit), or the cached kernel would carry that trace's tracers into the next one.
+    with jax.ensure_compile_time_eval():
+        return make(sa.MultiHeadMask([head_mask] * num_q_heads), block_sizes=blocks, head_shards=1,
+                    q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
+
+
+def _positional(spec) -> tuple[str, tuple | None, int]:
+    """The contract's positions as a splash mask: ("full"|"causal"|"local", window, offset)."""
+    mask = spec.mask
+    if mask.left_reach is None and mask.right_reach is None:
+        return "full", None, 0
+    if mask.left_reach is None and mask.right_reach == 0:
+        return "causal", None, mask.offset
+    # LocalMask keeps offset+i-left <= j <= offset+i+right: the contract's window with
+    # causal folded into the right side (right_reach = min(0, right) when causal).
+    return "local", (mask.left_reach, mask.right_reach), mask.offset
+
+
+def _padding_segment(q_seg):
+    """A segment id, per batch row, that no query has: marks padded keys invisible.
+
+    ``min - 1``, or ``max + 1`` when the minimum is the smallest int32. (Only ids that contain
+    both the smallest and the largest int32 in one row could collide.)
+    """
+    lo = jnp.min(q_seg, axis=1, keepdims=True)
+    hi = jnp.max(q_seg, axis=1, keepdims=True)
+    return jnp.where(lo > jnp.iinfo(jnp.int32).min, lo - 1, hi + 1)
+
+
+def splash_attention(q, k, v, segment_ids, spec, **options):
+    """JAX's splash-attention kernel (forward and its custom backward) behind the contract."""
+    known_options("splash", options, SPLASH_OPTIONS)
+    block_q = positive_int("block_q", options.get("block_q", DEFAULT_SPLASH_BLOCK), multiple_of=SPLASH_LANES)
+    block_kv = positive_int("block_kv", options.get("block_kv", DEFAULT_SPLASH_BLOCK),
+                            multiple_of=SPLASH_LANES)
+    interpret = options.get("interpret", jax.default_backend() != "tpu")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret: expected a bool, got {interpret!r}")
+    sa = _splash_module()
+
+    b, q_len, kv_len = spec.batch, spec.q_len, spec.kv_len
+    block_q = min(block_q, round_up(q_len, SPLASH_LANES))
+    block_kv = min(block_kv, round_up(kv_len, SPLASH_LANES))
+    q_pad, kv_pad = round_up(q_len, block_q), round_up(kv_len, block_kv)
+
+    # Splash does not scale: fold the scale into q (in float32, then back to q's dtype).
+    q = (q.astype(jnp.float32) * spec.scale).astype(q.dtype)
+    # [batch, seq, heads, dim] -> [batch, heads, seq, dim], padded along seq with zeros.
+    q = jnp.pad(jnp.swapaxes(q, 1, 2), ((0, 0), (0, 0), (0, q_pad - q_len), (0, 0)))
+    k = jnp.pad(jnp.swapaxes(k, 1, 2), ((0, 0), (0, 0), (0, kv_pad - kv_len), (0, 0)))
+    v = jnp.pad(jnp.swapaxes(v, 1, 2), ((0, 0), (0, 0), (0, kv_pad - kv_len), (0, 0)))
+    mqa = spec.num_kv_heads == 1
+    if mqa:  # the MQA kernel takes one [seq, dim] key/value shared by every query head
+        k, v = k[:, 0], v[:, 0]
+
+    # Padded keys must stay invisible. Real queries never reach them when the mask bounds the
+    # right side at the diagonal (causal); otherwise mark them with a segment id no query has.
+    # Padded queries are sliced off; their zero cotangent keeps them out of the gradients.
+    keys_padded = kv_pad > kv_len and not (spec.mask.right_reach is not None and spec.mask.right_reach <= 0)
+    if segment_ids is not None or keys_padded:
+        if segment_ids is None:
+            q_seg = jnp.zeros((b, q_len), jnp.int32)
+            kv_seg = jnp.zeros((b, kv_len), jnp.int32)
+        else:
+            q_seg, kv_seg = segment_ids
+        q_seg = jnp.pad(q_seg, ((0, 0), (0, q_pad - q_len)), mode="edge")
+        kv_seg = jnp.concatenate(
+            [kv_seg, jnp.broadcast_to(_padding_segment(q_seg), (b, kv_pad - kv_len))], axis=1)
+        segments = sa.SegmentIds(q=q_seg, kv=kv_seg)
+    else:
+        segments = None
+
+    kernel = _splash_kernel(q_pad, kv_pad, spec.num_q_heads, mqa, _positional(spec), block_q, block_kv,
+                            spec.softcap, interpret)
+    # Always pass the sink: besides the contract's empty rows, padded query rows may see nothing,
+    # and without it their NaN output (0/0) would leak into dk and dv through the backward pass.
+    sinks = jnp.full((spec.num_q_heads,), _EMPTY_ROW_SINK, jnp.float32)
+
+    def one_batch(q, k, v, segments):
+        return kernel(q, k, v, segment_ids=segments, sinks=sinks)
+
+    out = jax.vmap(one_batch)(q, k, v, segments)  # [batch, heads, q_pad, dim]
+    return jnp.swapaxes(out[:, :, :q_len], 1, 2).astype(spec.dtype)
+
+
+def splash_supports(spec, backend: str | None = None) -> str | None:
+    if jnp.dtype(spec.dtype) == jnp.float16:
+        return ("float16: splash is a TPU kernel and TPUs compute in bfloat16/float32; "
+                "cast to bfloat16 (or use impl='xla')")
+    return None
+
+
+def _splash_available() -> bool:
+    try:
+        _splash_module()
+    except ImportError:
+        return False
+    return True
+
+
+def default_blocks(spec, vmem_bytes: int | None = None) -> tuple[int, int]:
+    """The tiles ``impl="splash"`` runs by default: 512, capped at the 128-rounded lengths."""
+    return (min(DEFAULT_SPLASH_BLOCK, round_up(spec.q_len, SPLASH_LANES)),
+            min(DEFAULT_SPLASH_BLOCK, round_up(spec.kv_len, SPLASH_LANES)))
+
+
+def splash_auto_rank(spec, backend: str) -> float | None:
+    """A TPU kernel: the automatic choice on TPU for sequences that fill its tiles, never elsewhere."""
+    if backend != "tpu":
+        return None
+    return 0.0 if long_enough_for_flash(spec) else 1.0
+
+
+register("splash", splash_attention, supports=splash_supports, available=_splash_available,
+         auto_rank=splash_auto_rank, interpreted_off_tpu=True, schedule="flash",
+         default_blocks=default_blocks, options=SPLASH_OPTIONS,
+         description="JAX's splash-attention Pallas kernel (TPU; interpret mode elsewhere)")

@@ -1,0 +1,579 @@
+"""A roofline model of attention on TPUs: chip specifications, FLOPs and HBM bytes per schedule.
+
+Everything here is *modelled*, never measured: it says what a chip could do at best for a
+given implementation's schedule, so that a measurement (``tpuattn.bench``) can be read as a
+fraction of that bound.
+
+**Chips.** :func:`chip_spec` returns peak bf16 FLOP/s, HBM bandwidth and capacity and VMEM
+per TensorCore for v4, v5e, v5p and v6e. Where the installed JAX has
+``pltpu.get_tpu_info_for_chip`` (JAX >= 0.8.1) its numbers are used; otherwise the table
+:data:`PUBLISHED`, taken from Google Cloud's TPU pages, is. Both are per *chip* here (JAX
+reports per TensorCore; v4 and v5p chips have two TensorCores that act as one device,
+"megacore"). VMEM stays per TensorCore because a kernel's working set lives in one core.
+
+**f32.** The MXU multiplies bf16. A float32 matmul at ``Precision.HIGHEST`` (what every
+implementation here uses for f32 inputs) is emulated with 6 bf16 passes
+(``jax.lax.Precision`` docstring: "performs float32 computations in 6 bfloat16 passes"), so
+the model takes f32 peak = bf16 peak / 6. That is a *modelled* number, not a published one.
+
+**Schedules.** :func:`cost` counts the FLOPs the schedule executes and the HBM bytes it
+moves, for ``mode="fwd"`` or ``"fwd+bwd"``:
+
+* ``reference`` and ``xla`` *materialise* the ``[batch, heads, q_len, kv_len]`` score
+  matrix in float32 and run the softmax in separate passes over HBM (listed in
+  :data:`MATERIALISED_FWD_PASSES` and :data:`MATERIALISED_BWD_PASSES`). Masks do not save
+  work: every score is computed.
+* ``pallas`` and ``splash`` follow the *flash block schedule*: a ``q_block`` of queries stays
+  in VMEM while K/V blocks stream past it, so K and V are re-read once per query block;
+  scores never reach HBM; tiles that :meth:`MaskSpec.block_map` marks EMPTY are skipped
+  (neither fetched nor computed). The backward pass is two kernels (dK/dV, then dQ), as in
+  JAX's flash and splash kernels, unless ``fused_backward=True``.
+* ``blockwise`` (pure JAX online softmax) visits the same tiles, but XLA keeps a loop's
+  intermediates in HBM: each visited tile's f32 score block and the running
+  ``(acc, max, sum)`` state make a round trip through HBM.
+
+The predicted time is the lower bound ``max(flops / peak, bytes / bandwidth)``
+(:func:`predict`). It ignores the vector unit (``exp``, max, scaling), which on TPUs can be
+the real limit for ``head_dim <= 128``, pipeline bubbles and launch overhead; measured times
+are therefore expected above it.
+
+**Crossovers.** :func:`materialise_crossover` is the sequence length at which the
+materialised schedule's score buffers stop fitting in HBM; :func:`vmem_crossover` is the
+length at which a fused kernel that holds a whole row block of scores (no online softmax)
+stops fitting in one core's VMEM. The flash schedule has no such length: its VMEM working
+set depends on the block sizes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from tpuattn.spec import EMPTY, MaskSpec
+
+GIB = 1024**3
+MIB = 1024**2
+
+# f32 matmuls at Precision.HIGHEST run as 6 bf16 MXU passes (jax.lax.Precision docstring).
+F32_PASSES = 6
+
+MODES = ("fwd", "fwd+bwd")
+
+
+# ----------------------------------------------------------------------------- chips
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """Peak numbers of one TPU chip (a device; megacore chips count both TensorCores)."""
+
+    name: str  # "v5e"
+    bf16_flops: float  # FLOP/s per chip, dense bf16 matmul
+    hbm_bandwidth: float  # bytes/s per chip
+    hbm_capacity: float  # bytes per chip
+    vmem_bytes: int  # per TensorCore
+    tensor_cores: int  # per device (2 for megacore v4/v5p)
+    source: str  # where the numbers come from
+
+    @property
+    def f32_flops(self) -> float:
+        """Modelled: f32 matmul at Precision.HIGHEST = 6 bf16 passes."""
+        return self.bf16_flops / F32_PASSES
+
+    def peak_flops(self, dtype) -> float:
+        """bf16/f16 inputs run at bf16 peak; f32 at the modelled :attr:`f32_flops`."""
+        name = _dtype_name(dtype)
+        return self.f32_flops if name == "float32" else self.bf16_flops
+
+    def ridge_point(self, dtype="bfloat16") -> float:
+        """Arithmetic intensity (FLOP/byte) above which a kernel is compute bound."""
+        return self.peak_flops(dtype) / self.hbm_bandwidth
+
+
+# Published per-chip numbers. Sources (Google Cloud TPU system architecture pages):
+#   v4  https://cloud.google.com/tpu/docs/v4   275 TFLOP/s bf16, 32 GiB HBM2, 1200 GB/s; 2 TensorCores
+#   v5e https://cloud.google.com/tpu/docs/v5e  197 TFLOP/s bf16, 16 GB HBM2, 819 GB/s; 1 TensorCore
+#   v5p https://cloud.google.com/tpu/docs/v5p  459 TFLOP/s bf16, 95 GB HBM2e, 2765 GB/s; 2 TensorCores
+#   v6e https://cloud.google.com/tpu/docs/v6e  918 TFLOP/s bf16, 32 GB HBM, 1638 GB/s; 1 TensorCore
+# VMEM is not on those pages; it comes from JAX's jax/_src/pallas/mosaic/tpu_info.py (0.10.2), also
+# rendered at https://docs.jax.dev/en/latest/pallas/tpu/hardware.html: v4 16 MiB, v5e 128 MiB,
+# v5p 64 MiB, v6e 128 MiB per TensorCore. "16 GB" for v5e is 16 GiB (JAX: 17.2e9 bytes).
+PUBLISHED: dict[str, ChipSpec] = {
+    "v4": ChipSpec("v4", 275e12, 1200e9, 32 * GIB, 16 * MIB, 2, "Google Cloud TPU docs (v4)"),
+    "v5e": ChipSpec("v5e", 197e12, 819e9, 16 * GIB, 128 * MIB, 1, "Google Cloud TPU docs (v5e)"),
+    "v5p": ChipSpec("v5p", 459e12, 2765e9, 95e9, 64 * MIB, 2, "Google Cloud TPU docs (v5p)"),
+    "v6e": ChipSpec("v6e", 918e12, 1638e9, 32e9, 128 * MIB, 1, "Google Cloud TPU docs (v6e)"),
+}
+CHIPS = tuple(PUBLISHED)
+
+# pltpu.ChipVersion member and TensorCores per device for each chip.
+_JAX_CHIP = {"v4": ("TPU_V4", 2), "v5e": ("TPU_V5E", 1), "v5p": ("TPU_V5P", 2), "v6e": ("TPU_V6E", 1)}
+
+# jax.Device.device_kind -> chip name (as in JAX's chip_version_from_device_kind).
+_DEVICE_KINDS = {
+    "TPU v4": "v4",
+    "TPU v5 lite": "v5e", "TPU v5e": "v5e",
+    "TPU v5": "v5p", "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+}
+
+
+def jax_has_tpu_info() -> bool:
+    """True when the installed JAX has ``pltpu.get_tpu_info_for_chip`` (JAX >= 0.8.1)."""
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+    except ImportError:  # pragma: no cover - Pallas always ships with JAX >= 0.7
+        return False
+    return hasattr(pltpu, "get_tpu_info_for_chip") and hasattr(pltpu, "ChipVersion")
+
+
+def _from_jax(name: str) -> ChipSpec:
+    from jax.experimental.pallas import tpu as pltpu
+
+    member, cores = _JAX_CHIP[name]
+    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, member), cores)
+    # TpuInfo is per TensorCore: scale FLOP/s, bandwidth and capacity to the device.
+    n = info.num_cores
+    import jax
+
+    return ChipSpec(name=name, bf16_flops=float(info.bf16_ops_per_second) * n,
+                    hbm_bandwidth=float(info.mem_bw_bytes_per_second) * n,
+                    hbm_capacity=float(info.hbm_capacity_bytes) * n, vmem_bytes=int(info.vmem_capacity_bytes),
+                    tensor_cores=n, source=f"pltpu.get_tpu_info_for_chip (JAX {jax.__version__})")
+
+
+def chip_spec(name: str, *, source: str = "auto") -> ChipSpec:
+    """The :class:`ChipSpec` for ``name`` (``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"`` or a device kind).
+
+    ``source``: ``"auto"`` uses JAX's ``get_tpu_info_for_chip`` where the installed JAX has it
+    and the published table otherwise; ``"jax"`` insists on JAX; ``"published"`` uses the table.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"name: expected a chip name in {list(CHIPS)} or a TPU device kind, got {name!r}")
+    key = _DEVICE_KINDS.get(name, name.lower())
+    if key not in PUBLISHED:
+        raise ValueError(f"name: expected a chip name in {list(CHIPS)} or a TPU device kind, got {name!r}")
+    if source not in ("auto", "jax", "published"):
+        raise ValueError(f"source: expected 'auto', 'jax' or 'published', got {source!r}")
+    if source == "published" or (source == "auto" and not jax_has_tpu_info()):
+        return PUBLISHED[key]
+    if not jax_has_tpu_info():
+        raise ValueError("source: 'jax' needs pltpu.get_tpu_info_for_chip (JAX >= 0.8.1); "
+                         "use source='published'")
+    return _from_jax(key)
+
+
+def chip_for_device_kind(device_kind: str) -> str | None:
+    """``"TPU v5 lite"`` -> ``"v5e"``; None for anything that is not a modelled TPU."""
+    return _DEVICE_KINDS.get(device_kind)
+
+
+# ----------------------------------------------------------------------------- problems
+def problem(seq_len: int, *, batch: int = 1, heads: int = 8, kv_heads: int | None = None, head_dim: int = 128,
+            dtype="bfloat16", causal: bool = False, kv_len: int | None = None, window=None):
+    """An :class:`tpuattn.AttentionSpec` for a modelled problem (no arrays needed)."""
+    import jax.numpy as jnp
+
+    from tpuattn.api import AttentionSpec
+
+    kv_heads = heads if kv_heads is None else kv_heads
+    kv_len = seq_len if kv_len is None else kv_len
+    for arg, value in (("seq_len", seq_len), ("kv_len", kv_len), ("batch", batch), ("heads", heads),
+                       ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"{arg}: expected a positive int, got {value!r}")
+    if heads % kv_heads:
+        raise ValueError(f"heads: expected a multiple of kv_heads={kv_heads}, got {heads}")
+    return AttentionSpec(batch=int(batch), q_len=int(seq_len), kv_len=int(kv_len), num_q_heads=int(heads),
+                         num_kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=jnp.dtype(dtype),
+                         scale=1.0 / math.sqrt(head_dim), softcap=None,
+                         mask=MaskSpec(int(seq_len), int(kv_len), causal=bool(causal), window=window))
+
+
+def standard_flops(spec, mode: str = "fwd") -> float:
+    """The conventional count: 4·B·H·Tq·Tk·D, x0.5 causal, x3.5 for fwd+bwd (see tpuattn.bench)."""
+    from tpuattn.measure.bench import attention_flops
+
+    return attention_flops(batch=spec.batch, heads=spec.num_q_heads, q_len=spec.q_len, kv_len=spec.kv_len,
+                           head_dim=spec.head_dim, causal=spec.causal, mode=mode)
+
+
+# ----------------------------------------------------------------------------- costs
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What one schedule does for one problem (modelled)."""
+
+    impl: str
+    mode: str
+    schedule: str  # "materialised", "flash", "blockwise (XLA loop)"
+    flops: float  # executed, including masked work that the schedule does not skip
+    standard_flops: float  # the conventional count, for TFLOP/s comparisons
+    hbm_bytes: float  # bytes moved between HBM and the core
+    peak_hbm_bytes: float  # largest live set in HBM (inputs, outputs, intermediates)
+    vmem_bytes: float  # per-core VMEM working set of a kernel (0 for XLA schedules)
+    breakdown: tuple[tuple[str, float], ...]  # (what, bytes) summing to hbm_bytes
+    visited_fraction: float = 1.0  # fraction of score tiles computed
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity: executed FLOPs per HBM byte."""
+        return self.flops / self.hbm_bytes
+
+
+# Passes over the score matrix of the materialised schedule, in bytes per score element.
+# ``p`` is the byte size of P (the reference casts P to v's dtype; float32 stays 4 bytes).
+# Forward (reference.py and jax.nn.dot_product_attention(implementation="xla") alike):
+MATERIALISED_FWD_PASSES = (
+    ("S = scale * Q K^T: write S (f32)", lambda p: 4),
+    ("row max: read S", lambda p: 4),
+    ("row sum of exp(S - m): read S", lambda p: 4),
+    ("P = exp(S - m) / l: read S, write P", lambda p: 4 + p),
+    ("O = P V: read P", lambda p: p),
+)
+# Backward of that graph under autodiff (P is the saved residual; nothing is recomputed):
+MATERIALISED_BWD_PASSES = (
+    ("dP = dO V^T: write dP (f32)", lambda p: 4),
+    ("row sum of P * dP: read P, dP", lambda p: p + 4),
+    ("dS = P * (dP - r): read P, dP, write dS (f32)", lambda p: p + 4 + 4),
+    ("dV = P^T dO: read P", lambda p: p),
+    ("dQ = dS K, dK = dS^T Q: read dS twice", lambda p: 8),
+)
+
+MODELS = {
+    "reference": "materialised",
+    "xla": "materialised",
+    "blockwise": "blockwise (XLA loop)",
+    "pallas": "flash",
+    "splash": "flash",
+}
+DEFAULT_BLOCKS = {  # (q_block, kv_block) the model assumes unless told otherwise
+    "blockwise": (512, 512),
+    "pallas": (128, 128),
+    "splash": (128, 128),  # BlockSizes.get_default() in JAX's splash kernel
+}
+
+
+def _dtype_name(dtype) -> str:
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).name
+
+
+def _itemsize(dtype) -> int:
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).itemsize
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+
+def _io_bytes(spec) -> tuple[float, float, float]:
+    """Bytes of Q (= O) and of K (= V)."""
+    e = _itemsize(spec.dtype)
+    q = spec.batch * spec.q_len * spec.num_q_heads * spec.head_dim * e
+    kv = spec.batch * spec.kv_len * spec.num_kv_heads * spec.head_dim * e
+    return q, kv, e
+
+
+def _materialised(impl: str, spec, mode: str) -> Cost:
+    q_bytes, kv_bytes, e = _io_bytes(spec)
+    p = e  # P is cast to v's dtype; 4 bytes when v is f32
+    n = spec.batch * spec.num_q_heads * spec.q_len * spec.kv_len  # score elements
+    d = spec.head_dim
+    flops = 4.0 * n * d  # QK^T and PV over every pair: masks do not skip work here
+    breakdown = [("read Q, K, V", q_bytes + 2 * kv_bytes), ("write O", q_bytes)]
+    breakdown += [(name, per(p) * n) for name, per in MATERIALISED_FWD_PASSES]
+    peak = (4 + p) * n  # S and P alive together in the normalise pass
+    if mode == "fwd+bwd":
+        flops += 8.0 * n * d  # dP, dV, dQ, dK: four matmuls, no recompute
+        breakdown += [("bwd: read Q, K, V, dO; write dQ, dK, dV", 2 * q_bytes + 2 * kv_bytes + q_bytes
+                       + 2 * kv_bytes)]
+        breakdown += [("bwd: " + name, per(p) * n) for name, per in MATERIALISED_BWD_PASSES]
+        peak = max(peak, (p + 4 + 4) * n)  # P (residual), dP and dS alive together
+    peak += 2 * q_bytes + 2 * kv_bytes + (2 * q_bytes + 2 * kv_bytes if mode == "fwd+bwd" else 0)
+    return Cost(impl=impl, mode=mode, schedule="materialised", flops=flops,
+                standard_flops=standard_flops(spec, mode), hbm_bytes=sum(b for _, b in breakdown),
+                peak_hbm_bytes=float(peak), vmem_bytes=0.0, breakdown=tuple(breakdown))
+
+
+@functools.lru_cache(maxsize=256)
+def _visited_tiles(mask: MaskSpec, q_block: int, kv_block: int) -> tuple[int, int, int, np.ndarray]:
+    """(visited tiles, q blocks, kv blocks, visited tiles per kv block) from MaskSpec.block_map."""
+    tiles = mask.block_map(q_block, kv_block) != EMPTY
+    return int(tiles.sum()), tiles.shape[0], tiles.shape[1], tiles.sum(axis=0)
+
+
+def visited_tiles(spec, q_block: int, kv_block: int) -> tuple[int, int]:
+    """(tiles a block schedule computes, total tiles) for ``spec``'s mask."""
+    visited, nq, nk, _ = _visited_tiles(spec.mask, q_block, kv_block)
+    return visited, nq * nk
+
+
+def _check_blocks(q_block, kv_block) -> None:
+    for name, value in (("q_block", q_block), ("kv_block", kv_block)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backward: bool) -> Cost:
+    _check_blocks(q_block, kv_block)
+    e = _itemsize(spec.dtype)
+    d = spec.head_dim
+    visited, nq, nk, _ = _visited_tiles(spec.mask, q_block, kv_block)
+    heads = spec.batch * spec.num_q_heads  # the grid runs over (batch, q head, q block, kv block)
+    tile_flops = 4.0 * q_block * kv_block * d  # QK^T and PV of one tile
+    q_tile, kv_tile = q_block * d * e, kv_block * d * e
+    # Forward: Q_i read once per q block (it stays in VMEM over the kv loop), K_j and V_j read
+    # for every visited tile (GQA: once per q head, the kernel does not share them across the
+    # group), O_i and the f32 logsumexp written once.
+    breakdown = [
+        ("read Q (once per q block)", heads * nq * q_tile),
+        ("read K, V (once per visited tile)", heads * visited * 2 * kv_tile),
+        ("write O and logsumexp", heads * nq * (q_tile + 4 * q_block)),
+    ]
+    flops = heads * visited * tile_flops
+    # VMEM: double-buffered Q, K, V, O blocks; f32 acc, running max and sum (lane-padded to
+    # 128); one f32 score tile and its P.
+    vmem = (2 * (2 * q_tile + 2 * kv_tile) + q_block * d * 4 + 2 * q_block * 128 * 4
+            + 2 * q_block * kv_block * 4)
+    if mode == "fwd+bwd":
+        breakdown.append(("bwd: delta = rowsum(dO * O): read O, dO; write delta",
+                          heads * nq * (2 * q_tile + 4 * q_block)))
+        if fused_backward:
+            # One kernel, kv outer: K_j, V_j read once, dK_j, dV_j written once; per visited
+            # tile Q_i, dO_i, lse_i, delta_i read and dQ_i read-modified-written (f32).
+            breakdown += [
+                ("bwd: read K, V; write dK, dV (once per kv block and kv head)",
+                 spec.batch * spec.num_kv_heads * nk * 4 * kv_tile),
+                ("bwd: read Q, dO, lse, delta; update dQ (per visited tile)",
+                 heads * visited * (2 * q_tile + 8 * q_block + 2 * q_block * d * 4)),
+            ]
+            flops += heads * visited * 2.5 * tile_flops  # S, dP, dV, dK, dQ: five matmuls
+        else:
+            breakdown += [
+                ("bwd dK/dV kernel: read K, V; write dK, dV (once per kv block and kv head)",
+                 spec.batch * spec.num_kv_heads * nk * 4 * kv_tile),
+                ("bwd dK/dV kernel: read Q, dO, lse, delta (per visited tile)",
+                 heads * visited * (2 * q_tile + 8 * q_block)),
+                ("bwd dQ kernel: read Q, dO, lse, delta; write dQ (once per q block)",
+                 heads * nq * (3 * q_tile + 8 * q_block)),
+                ("bwd dQ kernel: read K, V (per visited tile)", heads * visited * 2 * kv_tile),
+            ]
+            flops += heads * visited * 3.5 * tile_flops  # dK/dV: S, dP, dV, dK; dQ: S, dP, dQ
+    q_bytes, kv_bytes, _ = _io_bytes(spec)
+    lse = spec.batch * spec.num_q_heads * spec.q_len * 4
+    peak = 2 * q_bytes + 2 * kv_bytes + lse
+    if mode == "fwd+bwd":
+        peak += 2 * q_bytes + 2 * kv_bytes + lse  # dO, dQ, dK, dV, delta
+    return Cost(impl=impl, mode=mode, schedule="flash", flops=flops,
+                standard_flops=standard_flops(spec, mode),
+                hbm_bytes=sum(b for _, b in breakdown), peak_hbm_bytes=float(peak), vmem_bytes=float(vmem),
+                breakdown=tuple(breakdown), visited_fraction=visited / (nq * nk))
+
+
+def _kv_steps(mask: MaskSpec, q_block: int, kv_block: int) -> int:
+    """Steps of the blockwise schedule: maximal runs of visible q blocks per kv block."""
+    tiles = mask.block_map(q_block, kv_block) != EMPTY
+    starts = tiles & ~np.vstack([np.zeros((1, tiles.shape[1]), bool), tiles[:-1]])
+    return int(starts.sum())
+
+
+# Per-tile passes of the blockwise step over HBM, bytes per score element (``p`` as above).
+# XLA runs each step as separate fusions around the reductions, so the tile's scores and
+# probabilities are written to HBM and read back (assumed: no fusion across a reduction).
+BLOCKWISE_FWD_TILE_PASSES = (
+    ("S tile = Q K^T: write (f32)", lambda p: 4),
+    ("row max: read S", lambda p: 4),
+    ("P = exp(S - m): read S, write P", lambda p: 4 + p),
+    ("row sum and P V: read P twice", lambda p: 2 * p),
+)
+BLOCKWISE_BWD_TILE_PASSES = (
+    ("S tile recomputed: write (f32)", lambda p: 4),
+    ("P = exp(S - lse): read S, write P", lambda p: 4 + p),
+    ("dV += P^T dO: read P", lambda p: p),
+    ("dP = dO V^T: write (f32)", lambda p: 4),
+    ("dS = P (dP - delta): read P, dP, write dS", lambda p: 2 * p + 4),
+    ("dQ += dS K, dK += dS^T Q: read dS twice", lambda p: 2 * p),
+)
+
+
+def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int) -> Cost:
+    """tpuattn.blockwise's schedule: one XLA step per (kv block, run of q blocks that see it).
+
+    Each step is one batched matmul over all its query rows, all heads and the GQA group, so
+    K_t and V_t are read once per step (per kv head); the step's query rows, their f32
+    running state (acc, max, sum) and its score tile go through HBM.
+    """
+    _check_blocks(q_block, kv_block)
+    e = _itemsize(spec.dtype)
+    p = e
+    d = spec.head_dim
+    visited, nq, nk, _ = _visited_tiles(spec.mask, q_block, kv_block)
+    steps = _kv_steps(spec.mask, q_block, kv_block)
+    q_heads, kv_heads = spec.batch * spec.num_q_heads, spec.batch * spec.num_kv_heads
+    q_tile, kv_tile = q_block * d * e, kv_block * d * e
+    scores = q_heads * visited * q_block * kv_block
+    flops = q_heads * visited * 4.0 * q_block * kv_block * d
+    state = q_block * d * 4 + 2 * q_block * 4  # acc, max, sum of one q block (f32)
+    breakdown = [
+        ("read K, V (once per step, per kv head)", kv_heads * steps * 2 * kv_tile),
+        ("read Q rows (per visited tile)", q_heads * visited * q_tile),
+        ("state (acc, max, sum): read + write per visited tile", q_heads * visited * 2 * state),
+        ("write O and logsumexp", q_heads * nq * (q_tile + 4 * q_block)),
+    ]
+    breakdown += [("tile: " + name, per(p) * scores) for name, per in BLOCKWISE_FWD_TILE_PASSES]
+    q_bytes, kv_bytes, _ = _io_bytes(spec)
+    peak = 2 * q_bytes + 2 * kv_bytes + q_heads * nq * state
+    step_rows = q_block * max(1, -(-visited // max(steps, 1)))  # query rows of an average step
+    peak += spec.num_q_heads * spec.batch * step_rows * kv_block * (4 + p)  # one step's S and P
+    if mode == "fwd+bwd":
+        flops += q_heads * visited * 10.0 * q_block * kv_block * d  # S, dP, dV, dQ, dK
+        breakdown += [
+            ("bwd: delta = rowsum(dO * O): read O, dO", q_heads * nq * 2 * q_tile),
+            ("bwd: read K, V; write dK, dV (per step, per kv head, f32 sums)", kv_heads * steps * 2 * kv_tile
+             + kv_heads * steps * 2 * 2 * kv_block * d * 4),
+            ("bwd: read Q, dO, lse, delta; dQ read + write (f32) per visited tile",
+             q_heads * visited * (2 * q_tile + 8 * q_block + 2 * q_block * d * 4)),
+        ]
+        breakdown += [("bwd tile: " + name, per(p) * scores) for name, per in BLOCKWISE_BWD_TILE_PASSES]
+        peak += 2 * q_bytes + 2 * kv_bytes + q_heads * nq * q_block * d * 4
+    return Cost(impl=impl, mode=mode, schedule="blockwise (XLA loop)", flops=flops,
+                standard_flops=standard_flops(spec, mode), hbm_bytes=sum(b for _, b in breakdown),
+                peak_hbm_bytes=float(peak), vmem_bytes=0.0, breakdown=tuple(breakdown),
+                visited_fraction=visited / (nq * nk))
+
+
+def default_blocks(impl: str, spec, chip: ChipSpec | None = None) -> tuple[int, int]:
+    """The (q_block, kv_block) the model assumes for ``impl``: the implementation's own default
+    where the package has one (blockwise: by length; pallas: by the chip's VMEM), else
+    :data:`DEFAULT_BLOCKS`."""
+    try:
+        if impl == "blockwise":
+            from tpuattn.impl.blockwise import default_blocks as blockwise_default
+
+            return tuple(blockwise_default(spec.q_len, spec.kv_len))
+        if impl == "pallas" and chip is not None:
+            from tpuattn.pallas.blocks import default_block_sizes
+
+            forward = default_block_sizes(spec.head_dim, spec.dtype, vmem_bytes=chip.vmem_bytes).forward
+            return forward.block_q, forward.block_kv
+    except Exception:  # noqa: BLE001 - an implementation being rewritten must not break the model
+        pass
+    return DEFAULT_BLOCKS[impl]
+
+
+def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_block: int | None = None,
+         fused_backward: bool = False, chip: ChipSpec | None = None) -> Cost:
+    """FLOPs and HBM bytes of ``impl``'s schedule for ``spec`` (an :class:`AttentionSpec`).
+
+    Blocks default to :func:`default_blocks` (``chip`` picks the Pallas kernel's defaults).
+    """
+    _check_mode(mode)
+    if impl not in MODELS:
+        raise ValueError(f"impl: expected one of {sorted(MODELS)} (modelled schedules), got {impl!r}")
+    schedule = MODELS[impl]
+    if schedule == "materialised":
+        return _materialised(impl, spec, mode)
+    default_q, default_kv = default_blocks(impl, spec, chip)
+    q_block = default_q if q_block is None else q_block
+    kv_block = default_kv if kv_block is None else kv_block
+    if schedule == "flash":
+        return _flash(impl, spec, mode, q_block, kv_block, fused_backward)
+    return _blockwise(impl, spec, mode, q_block, kv_block)
+
+
+# ----------------------------------------------------------------------------- predictions
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The roofline lower bound of one schedule on one chip (modelled)."""
+
+    cost: Cost
+    chip: ChipSpec
+    compute_s: float
+    memory_s: float
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    @property
+    def fits_hbm(self) -> bool:
+        return self.cost.peak_hbm_bytes <= self.chip.hbm_capacity
+
+    @property
+    def fits_vmem(self) -> bool:
+        return self.cost.vmem_bytes <= self.chip.vmem_bytes
+
+    @property
+    def standard_tflops(self) -> float:
+        """Conventional TFLOP/s at the predicted time (what a benchmark would report)."""
+        return self.cost.standard_flops / self.time_s / 1e12
+
+    def as_dict(self) -> dict:
+        return {"impl": self.cost.impl, "chip": self.chip.name, "mode": self.cost.mode,
+                "schedule": self.cost.schedule, "flops": self.cost.flops, "hbm_bytes": self.cost.hbm_bytes,
+                "intensity": self.cost.intensity, "compute_s": self.compute_s, "memory_s": self.memory_s,
+                "time_s": self.time_s, "bound": self.bound, "standard_tflops": self.standard_tflops,
+                "peak_hbm_bytes": self.cost.peak_hbm_bytes, "fits_hbm": self.fits_hbm,
+                "vmem_bytes": self.cost.vmem_bytes, "fits_vmem": self.fits_vmem, "label": "modelled"}
+
+
+def predict(impl: str, spec, chip, mode: str = "fwd", **schedule) -> Prediction:
+    """Lower-bound time ``max(flops / peak, bytes / bandwidth)`` of ``impl`` on ``chip``."""
+    chip = chip if isinstance(chip, ChipSpec) else chip_spec(chip)
+    c = cost(impl, spec, mode, chip=chip, **schedule)
+    return Prediction(cost=c, chip=chip, compute_s=c.flops / chip.peak_flops(spec.dtype),
+                      memory_s=c.hbm_bytes / chip.hbm_bandwidth)
+
+
+def materialise_crossover(chip, *, batch: int = 1, heads: int = 8, kv_heads: int | None = None,
+                          head_dim: int = 128, dtype="bfloat16", mode: str = "fwd") -> int:
+    """Smallest sequence length whose materialised schedule no longer fits in HBM (modelled).
+
+    The live set grows as ``c2 * T^2 + c1 * T`` (score buffers plus inputs and outputs); this
+    solves ``c2 * T^2 + c1 * T > capacity`` exactly.
+    """
+    chip = chip if isinstance(chip, ChipSpec) else chip_spec(chip)
+    _check_mode(mode)
+
+    def peak(t: int) -> float:
+        spec = problem(t, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+        return _materialised("reference", spec, mode).peak_hbm_bytes
+
+    c1 = peak(1) - (peak(2) - 2 * peak(1)) / 2  # from peak(t) = c2 t^2 + c1 t
+    c2 = (peak(2) - 2 * peak(1)) / 2
+    t = int((-c1 + math.sqrt(c1 * c1 + 4 * c2 * chip.hbm_capacity)) / (2 * c2))
+    while peak(t) > chip.hbm_capacity:
+        t -= 1
+    while peak(t + 1) <= chip.hbm_capacity:
+        t += 1
+    return t + 1
+
+
+def vmem_crossover(chip, *, q_block: int = 128, head_dim: int = 128, dtype="bfloat16") -> int:
+    """Smallest kv length at which a fused kernel holding whole score rows no longer fits VMEM.
+
+    Such a kernel (softmax without the online rescaling) keeps, per core, a row block of
+    scores ``[q_block, T]`` in f32 plus the whole K and V ``[T, head_dim]`` of one head.
+    """
+    chip = chip if isinstance(chip, ChipSpec) else chip_spec(chip)
+    _check_blocks(q_block, head_dim)
+    e = _itemsize(dtype)
+    fixed = 2 * q_block * head_dim * e + q_block * head_dim * 4  # Q and O blocks, f32 accumulator
+    per_token = q_block * 4 + 2 * head_dim * e
+    return (chip.vmem_bytes - fixed) // per_token + 1
+
+
+def roofline_curve(chip, intensities, dtype="bfloat16") -> np.ndarray:
+    """Attainable FLOP/s ``min(peak, intensity * bandwidth)`` for an array of intensities."""
+    chip = chip if isinstance(chip, ChipSpec) else chip_spec(chip)
+    intensities = np.asarray(intensities, dtype=np.float64)
+    return np.minimum(chip.peak_flops(dtype), intensities * chip.hbm_bandwidth)
