@@ -24,9 +24,9 @@ from tpuattn.spec import AttentionSpec, make_spec
 # your own can call ``tpuattn.register`` directly instead.
 IMPLEMENTATION_MODULES = (
     "tpuattn.impl.reference",
+    "tpuattn.impl.xla",
     "tpuattn.impl.blockwise",
     "tpuattn.pallas",
-    "tpuattn.impl.xla",
     "tpuattn.impl.splash",
 )
 

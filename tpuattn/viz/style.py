@@ -21,6 +21,8 @@ import matplotlib as mpl
 import matplotlib.pyplot as plt
 import numpy as np
 
+from tpuattn.spec import EMPTY, FULL, PARTIAL
+
 STYLE = {
     "figure.dpi": 100,
     "savefig.dpi": 120,
@@ -32,6 +34,21 @@ STYLE = {
     "font.size": 10,
     "legend.frameon": False,
 }
+
+
+# One colour per tile code in every figure (block maps, grid walks, schedules).
+TILE_COLOURS = {EMPTY: "#eeeeee", PARTIAL: "#f4a259", FULL: "#3d7ab8"}
+TILE_LABELS = {EMPTY: "empty: skipped", PARTIAL: "partial: masked", FULL: "full: no mask"}
+# What a grid step does with the K/V block it names (the Pallas grid walk).
+STEP_COLOURS = {"fetch": "#6a4c93", "resident": "#8cc084", "idle": "#ffffff", "fetch_idle": "#d9534f"}
+
+
+def impl_colour(impl: str) -> str:
+    """One colour per implementation in every figure: its place in the registry, in matplotlib's cycle."""
+    from tpuattn.api import known_implementations
+
+    names = known_implementations()
+    return f"C{names.index(impl) % 10}" if impl in names else "C9"
 
 
 def use_style() -> None:
