@@ -15,7 +15,7 @@ import logging
 
 import jax
 
-from tpuattn import registry
+from tpuattn import chips, registry
 from tpuattn.errors import UnavailableImplementation, UnsupportedInput
 from tpuattn.registry import BACKENDS, Implementation, register
 from tpuattn.spec import AttentionSpec, make_spec
@@ -65,7 +65,7 @@ def get_implementation(name: str) -> Implementation:
 
 
 def _backend(backend: str | None) -> str:
-    backend = jax.default_backend() if backend is None else backend
+    backend = chips.target_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
     return backend

@@ -1,0 +1,137 @@
+"""TPU chips: one table of what each generation has, and which chip the code is working for.
+
+Everything that needs a chip fact reads it here: the Pallas kernels' VMEM budget, the roofline,
+the compile reports. Two questions, one module:
+
+* **What does a chip have?** :data:`CHIPS` holds, per chip (not per TensorCore), peak bf16
+  FLOP/s, HBM bandwidth and capacity, and VMEM per TensorCore, as JAX itself tabulates them in
+  ``jax/_src/pallas/mosaic/tpu_info.py`` (JAX 0.10.2; ``pltpu.get_tpu_info_for_chip`` from 0.8.1),
+  which agree with Google Cloud's TPU pages (https://cloud.google.com/tpu/docs/system-architecture-tpu-vm,
+  /tpu/docs/v4, /v5e, /v5p, /v6e, /tpu7x) up to their rounding: the table is kept here so JAX 0.7.2,
+  which has no ``get_tpu_info``, gets the same numbers. Capacities are bytes (v6e: 34.4e9 bytes =
+  32 GiB; Cloud's "32 GB" page means GiB).
+* **Which chip is the code for?** Normally the local device's (none off a TPU). Inside
+  ``with target("v5e"):`` it is the named chip, even on a CPU machine: ahead-of-time compiles for
+  a TPU topology (:mod:`tpuattn.measure.aot`) set it, so the kernels compile (not interpret), size
+  their blocks for that chip's VMEM and refuse what that chip cannot do.
+
+A JAX device is one TensorCore on v2, v3 and tpu7x (their two cores are separate devices) and a
+whole chip on the megacore v4 and v5p; :meth:`Chip.per_device` gives the numbers of one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU generation. FLOP/s, bandwidth and HBM are per chip; VMEM per TensorCore."""
+
+    name: str  # "v5e"
+    tensor_cores: int  # per chip
+    megacore: bool  # True when a JAX device spans both TensorCores (v4, v5p)
+    bf16_flops: float  # dense bf16 matmul FLOP/s per chip
+    hbm_bandwidth: float  # bytes/s per chip
+    hbm_bytes: float  # HBM capacity per chip
+    vmem_bytes: int  # VMEM per TensorCore
+    topology: str  # a compile-only topology name with this chip ("v5e:2x2")
+    device_kinds: tuple[str, ...]  # jax.Device.device_kind strings of this chip
+    bf16_matmul: bool = True  # Mosaic accepts bf16 matmul operands (not on v2/v3)
+
+    @property
+    def cores_per_device(self) -> int:
+        return self.tensor_cores if self.megacore else 1
+
+    def per_device(self) -> dict[str, float]:
+        """Peak FLOP/s, bandwidth and HBM bytes of one JAX device of this chip."""
+        share = self.cores_per_device / self.tensor_cores
+        return {"bf16_flops": self.bf16_flops * share, "hbm_bandwidth": self.hbm_bandwidth * share,
+                "hbm_bytes": self.hbm_bytes * share}
+
+
+# Per chip, from JAX's tpu_info.py (0.10.2). Device kinds as JAX's chip_version_from_device_kind reads them.
+CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
+    Chip("v2", 2, False, 4.6e13, 7.16e11, 16.0e9, 16 * MIB, "v2:2x2x1", ("TPU v2",), bf16_matmul=False),
+    Chip("v3", 2, False, 1.40e14, 8.25e11, 34.4e9, 16 * MIB, "v3:2x2x1", ("TPU v3",), bf16_matmul=False),
+    Chip("v4", 2, True, 2.75e14, 1.23e12, 34.4e9, 16 * MIB, "v4:2x2x1", ("TPU v4",)),
+    Chip("v5e", 1, False, 1.97e14, 8.20e11, 17.2e9, 128 * MIB, "v5e:2x2", ("TPU v5 lite", "TPU v5e")),
+    Chip("v5p", 2, True, 4.59e14, 2.46e12, 103.0e9, 64 * MIB, "v5p:2x2x1", ("TPU v5", "TPU v5p")),
+    Chip("v6e", 1, False, 9.20e14, 1.64e12, 34.4e9, 128 * MIB, "v6e:2x2", ("TPU v6 lite", "TPU v6e")),
+    Chip("tpu7x", 2, False, 2.31e15, 7.40e12, 206.0e9, 64 * MIB, "tpu7x:2x2x1", ("TPU7x",)),
+)}
+NAMES = tuple(CHIPS)
+
+# Off a TPU (and for a chip this table does not know) the kernels budget for the smallest VMEM.
+DEFAULT_VMEM_BYTES = 16 * MIB
+
+
+def get(name: str) -> Chip:
+    """The :class:`Chip` for a name (``"v5e"``) or a device kind (``"TPU v5 lite"``)."""
+    chip = CHIPS.get(name.lower()) if isinstance(name, str) else None
+    if chip is None and isinstance(name, str):
+        chip = from_device_kind(name)
+    if chip is None:
+        raise ValueError(f"chip: expected a chip name in {list(NAMES)} or a TPU device kind, got {name!r}")
+    return chip
+
+
+def from_device_kind(device_kind: str) -> Chip | None:
+    """``"TPU v5 lite"`` -> the v5e :class:`Chip`; None for anything this table does not know."""
+    for chip in CHIPS.values():
+        if device_kind in chip.device_kinds:
+            return chip
+    return None
+
+
+# ---------------------------------------------------------------------------- the target
+_TARGET: contextvars.ContextVar[Chip | None] = contextvars.ContextVar("tpuattn_target_chip", default=None)
+
+
+@contextlib.contextmanager
+def target(chip: str | Chip):
+    """Work for ``chip`` (ahead-of-time compilation) inside the ``with`` block, wherever this runs."""
+    token = _TARGET.set(chip if isinstance(chip, Chip) else get(chip))
+    try:
+        yield _TARGET.get()
+    finally:
+        _TARGET.reset(token)
+
+
+def target_chip() -> Chip | None:
+    """The chip set by :func:`target`, else the local TPU's (None off a TPU or for an unknown one)."""
+    chip = _TARGET.get()
+    if chip is not None:
+        return chip
+    import jax
+
+    if jax.default_backend() != "tpu":
+        return None
+    return from_device_kind(jax.devices()[0].device_kind)
+
+
+def target_backend() -> str:
+    """``"tpu"`` inside :func:`target`, else JAX's default backend."""
+    if _TARGET.get() is not None:
+        return "tpu"
+    import jax
+
+    return jax.default_backend()
+
+
+def vmem_bytes() -> tuple[int, str]:
+    """VMEM bytes per TensorCore of the target chip, and where the number came from."""
+    chip = target_chip()
+    if chip is not None:
+        return chip.vmem_bytes, f"tpuattn.chips ({chip.name})"
+    import jax
+
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return DEFAULT_VMEM_BYTES, f"default (unknown chip {jax.devices()[0].device_kind!r})"
+    return DEFAULT_VMEM_BYTES, f"default (no TPU: {backend})"
