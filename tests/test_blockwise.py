@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_grads_close, random_qkv
 from oracle import _allowed, oracle_attention, oracle_grads
 
 import tpuattn
@@ -21,10 +22,8 @@ GRAD_TOL = 1e-4
 
 def _inputs(seed, q_len, kv_len, q_heads=2, kv_heads=2, head_dim=16, batch=1):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((batch, q_len, q_heads, head_dim)).astype(np.float32)
-    k = rng.standard_normal((batch, kv_len, kv_heads, head_dim)).astype(np.float32)
-    v = rng.standard_normal((batch, kv_len, kv_heads, head_dim)).astype(np.float32)
-    return rng, q, k, v
+    return (rng, *random_qkv(rng, q_len, kv_len, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
+                             head_dim=head_dim))
 
 
 # Lengths that are not multiples of the blocks, blocks that are not powers of two, GQA.
@@ -60,9 +59,7 @@ def test_block_sizes_match_oracle(case):
     d_out = rng.standard_normal(q.shape).astype(np.float32)
     grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v, segment_ids) * d_out),
                              argnums=(0, 1, 2)))(q, k, v)
-    for name, got, want in zip("qkv", grads, oracle_grads(q, k, v, d_out, **kw), strict=True):
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=GRAD_TOL, rtol=GRAD_TOL,
-                                   err_msg=f"d{name}")
+    assert_grads_close(grads, oracle_grads(q, k, v, d_out, **kw), tol=GRAD_TOL)
 
 
 @pytest.mark.parametrize("fn", [blockwise.fori_loop_attention, blockwise.vmap_attention],

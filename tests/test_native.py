@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import random_qkv
 from oracle import oracle_attention, oracle_grads
 
 import tpuattn
@@ -21,10 +22,7 @@ F32_TOL = 2e-5
 
 
 def _qkv(rng, q_len, kv_len, q_heads=2, kv_heads=2, head_dim=16, dtype=np.float32):
-    q = rng.standard_normal((1, q_len, q_heads, head_dim)).astype(dtype)
-    k = rng.standard_normal((1, kv_len, kv_heads, head_dim)).astype(dtype)
-    v = rng.standard_normal((1, kv_len, kv_heads, head_dim)).astype(dtype)
-    return q, k, v
+    return random_qkv(rng, q_len, kv_len, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
 
 
 def _spec(q_len, kv_len, *, dtype=jnp.float32, heads=2, kv_heads=2, head_dim=8, **kw):
