@@ -36,7 +36,7 @@ The cost of one step is ``rows x block_kv`` floats of scores, so with a fixed
 The backward pass is a ``jax.custom_vjp`` that saves only q, k, v, the output and the
 log-sum-exp (kept as the pair ``(m, log l)``; memory linear in the sequence length) and
 walks the same schedule again, recomputing each tile (FlashAttention-2):
-``delta = rowsum(dO * O)``; per tile ``p = exp(s - lse)``; ``dV += p^T dO``;
+a first pass ``delta = rowsum(P * dP)`` (see ``_delta``); per tile ``p = exp(s - lse)``; ``dV += p^T dO``;
 ``dP = dO V^T``; ``dS = p * (dP - delta)``; through the softcap ``dS *= 1 - tanh^2``;
 ``dQ += dS K * scale``; ``dK += dS^T Q * scale``.
 
@@ -59,7 +59,7 @@ import numpy as np
 from jax import lax
 
 from tpuattn._checks import known_options, positive_int
-from tpuattn.impl.common import matmul_precision, pad_to_multiple
+from tpuattn.impl.common import matmul, pad_to_multiple
 from tpuattn.registry import register
 from tpuattn.spec import EMPTY, FULL, MaskSpec
 
@@ -168,8 +168,7 @@ def _run_schedule(cfg: _Config, body, carry):
 
 def _logits(cfg, q_rows, k_blk):
     """Scaled logits ``[b, h, g, rows, keys]`` in float32, and tanh(s/c) when softcapped."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_rows, k_blk, precision=matmul_precision(q_rows.dtype),
-                   preferred_element_type=jnp.float32) * cfg.scale
+    s = matmul("bhgqd,bhkd->bhgqk", q_rows, k_blk) * cfg.scale
     if cfg.softcap is None:
         return s, None
     t = jnp.tanh(s / cfg.softcap)
@@ -199,13 +198,14 @@ def _step_predicate(keep, segs, row_values):
     loop reading every step's probabilities), which keeps every tile alive at once
     (quadratic memory). A conditional's branch cannot be fused with its neighbours, so the
     tiles of one step die before the next step starts. The predicate must not be
-    constant-foldable (XLA inlines constant conds): "not every row value is NaN" is true
-    for any finite input, and a step whose rows are all NaN already is skipped (their
-    result is NaN or undefined either way).
+    constant-foldable (XLA inlines constant conds), yet true for every input: "some row value
+    is NaN, or not all of them are" reads the data and holds even for NaN (a NaN in the
+    inputs must reach the output and the gradients, never be skipped into zeros).
     """
     if keep is not None and segs is not None:
         return jnp.any(keep)
-    return jnp.logical_not(jnp.all(jnp.isnan(row_values)))
+    nan = jnp.isnan(row_values)
+    return jnp.logical_or(jnp.any(nan), jnp.logical_not(jnp.all(nan)))
 
 
 def _mm(dtype):
@@ -225,7 +225,6 @@ def _forward(cfg: _Config, qt, kt, vt, segs):
     """
     b, h, g, tq, d = qt.shape
     cast = _mm(vt.dtype)
-    prec = matmul_precision(vt.dtype)
 
     def body(carry, step, t):
         m, denom, acc = carry
@@ -247,8 +246,7 @@ def _forward(cfg: _Config, qt, kt, vt, segs):
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m_old - m_safe)
             l_new = alpha * l_old + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", cast(p), v_blk, precision=prec,
-                            preferred_element_type=jnp.float32)
+            pv = matmul("bhgqk,bhkd->bhgqd", cast(p), v_blk)
             return m_new, l_new, alpha[..., None] * acc_old + pv
 
         state = lax.cond(_step_predicate(keep, segs, state[1]), update, lambda st: st, state)
@@ -270,14 +268,55 @@ def _forward(cfg: _Config, qt, kt, vt, segs):
     return out, (m, log_denom)
 
 
-def _backward(cfg: _Config, qt, kt, vt, segs, out, lse, d_out):
+def _tile_probabilities(cfg, q_rows, k_blk, m_rows, log_denom_rows, keep):
+    """The forward's probabilities of one tile, recomputed from the saved (max, log sum)."""
+    s, tanh_s = _logits(cfg, q_rows, k_blk)
+    p = jnp.exp((s - m_rows[..., None]) - log_denom_rows[..., None])
+    if keep is not None:
+        p = jnp.where(keep, p, 0.0)
+    return p, tanh_s
+
+
+def _rows(x, step, cfg):
+    return lax.slice_in_dim(x, step.q_lo * cfg.block_q, step.q_hi * cfg.block_q, axis=3)
+
+
+def _delta(cfg: _Config, qt, kt, vt, segs, lse, d_out_in):
+    """delta = rowsum(P * dP) ``[b, h, g, Tq]``, accumulated over the schedule (a first pass).
+
+    In exact arithmetic it equals rowsum(dO * O), which is cheaper; but O is rounded (to bf16 for
+    bf16 inputs, and by float32 for logits of 1e3), and dS = P * (dP - delta) then stops cancelling
+    for nearly one-hot rows (gradients 70-200x worse than autodiff of the reference in bf16).
+    Summing the very P * dP that the second pass computes makes dS cancel exactly. Cost: two
+    matmuls per tile (QK^T and dO V^T) on top of the backward's five.
+    """
+    row_max, log_denom = lse
+
+    def body(delta, step, t):
+        q_rows, do_rows = _rows(qt, step, cfg), _rows(d_out_in, step, cfg)
+        m_rows, log_denom_rows = _rows(row_max, step, cfg), _rows(log_denom, step, cfg)
+        k_blk, v_blk = _kv_block(cfg, kt, t), _kv_block(cfg, vt, t)
+        keep = _step_mask(cfg, step, t, segs) if step.masked else None
+
+        def tile():
+            p, _ = _tile_probabilities(cfg, q_rows, k_blk, m_rows, log_denom_rows, keep)
+            dp = matmul("bhgqd,bhkd->bhgqk", do_rows, v_blk)
+            return jnp.sum(p * dp, axis=-1)
+
+        skipped = lambda: jnp.zeros(m_rows.shape, jnp.float32)
+        part = lax.cond(_step_predicate(keep, segs, m_rows), tile, skipped)
+        r0 = step.q_lo * cfg.block_q
+        return lax.dynamic_update_slice_in_dim(delta, _rows(delta, step, cfg) + part, r0, axis=3)
+
+    return _run_schedule(cfg, body, jnp.zeros(row_max.shape, jnp.float32))
+
+
+def _backward(cfg: _Config, qt, kt, vt, segs, lse, d_out):
     """Recompute each scheduled tile from the log-sum-exp; returns (dq, dk, dv) in float32."""
     row_max, log_denom = lse
-    do = d_out.astype(jnp.float32)
-    delta = jnp.sum(do * out, axis=-1)  # rowsum(dO * O) [b,h,g,Tq]
     cast = _mm(qt.dtype)
-    prec = matmul_precision(qt.dtype)
-    d_out_in = cast(do)
+    d_out_in = cast(d_out.astype(jnp.float32))
+    delta = _delta(cfg, qt, kt, vt, segs, lse, d_out_in)
 
     def body(carry, step, t):
         dq, dk, dv = carry
@@ -291,22 +330,15 @@ def _backward(cfg: _Config, qt, kt, vt, segs, out, lse, d_out):
         keep = _step_mask(cfg, step, t, segs) if step.masked else None
 
         def tile():
-            s, tanh_s = _logits(cfg, q_rows, k_blk)
-            p = jnp.exp((s - m_rows[..., None]) - log_denom_rows[..., None])
-            if keep is not None:
-                p = jnp.where(keep, p, 0.0)
-            dv_t = jnp.einsum("bhgqk,bhgqd->bhkd", cast(p), do_rows, precision=prec,
-                              preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_rows, v_blk, precision=prec,
-                            preferred_element_type=jnp.float32)
+            p, tanh_s = _tile_probabilities(cfg, q_rows, k_blk, m_rows, log_denom_rows, keep)
+            dv_t = matmul("bhgqk,bhgqd->bhkd", cast(p), do_rows)
+            dp = matmul("bhgqd,bhkd->bhgqk", do_rows, v_blk)
             ds = p * (dp - delta_rows[..., None])
             if tanh_s is not None:
                 ds = ds * (1.0 - tanh_s * tanh_s)  # through the softcap
             ds = cast(ds)
-            dq_rows = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_blk, precision=prec,
-                                 preferred_element_type=jnp.float32) * cfg.scale
-            dk_t = jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_rows, precision=prec,
-                              preferred_element_type=jnp.float32) * cfg.scale
+            dq_rows = matmul("bhgqk,bhkd->bhgqd", ds, k_blk) * cfg.scale
+            dk_t = matmul("bhgqk,bhgqd->bhkd", ds, q_rows) * cfg.scale
             return dq_rows, dk_t, dv_t
 
         zeros = (jnp.zeros(q_rows.shape, jnp.float32), jnp.zeros(k_blk.shape, jnp.float32),
@@ -330,14 +362,13 @@ def _flash_impl(cfg, qt, kt, vt, segs):
 
 def _flash_fwd(cfg, qt, kt, vt, segs):
     out, lse = _forward(cfg, qt, kt, vt, segs)
-    out = out.astype(qt.dtype)
-    # Residuals: inputs, output and two floats per query row. Nothing of size q_len * kv_len.
-    return out, (qt, kt, vt, segs, out, lse)
+    # Residuals: inputs and two floats per query row. Nothing of size q_len * kv_len.
+    return out.astype(qt.dtype), (qt, kt, vt, segs, lse)
 
 
 def _flash_bwd(cfg, residuals, d_out):
-    qt, kt, vt, segs, out, lse = residuals
-    dq, dk, dv = _backward(cfg, qt, kt, vt, segs, out.astype(jnp.float32), lse, d_out)
+    qt, kt, vt, segs, lse = residuals
+    dq, dk, dv = _backward(cfg, qt, kt, vt, segs, lse, d_out)
     return dq.astype(qt.dtype), dk.astype(kt.dtype), dv.astype(vt.dtype), None
 
 
@@ -416,15 +447,13 @@ def online_softmax_block(q_block, k, v, q_start, *, block_kv: int, causal: bool,
     """
     b, bq, h, d = q_block.shape
     num_kv_blocks = k.shape[1] // block_kv
-    prec = matmul_precision(q_block.dtype)
     rows = q_start + jnp.arange(bq)[:, None]
 
     def body(t, carry):
         m, denom, acc = carry
         k_t = lax.dynamic_slice_in_dim(k, t * block_kv, block_kv, axis=1)
         v_t = lax.dynamic_slice_in_dim(v, t * block_kv, block_kv, axis=1)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q_block, k_t, precision=prec,
-                       preferred_element_type=jnp.float32) * scale
+        s = matmul("bqhd,bkhd->bhqk", q_block, k_t) * scale
         if causal:
             cols = t * block_kv + jnp.arange(block_kv)[None, :]
             s = jnp.where(cols <= rows, s, -jnp.inf)
@@ -432,8 +461,7 @@ def online_softmax_block(q_block, k, v, q_start, *, block_kv: int, causal: bool,
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
-        acc = alpha[..., None] * acc + jnp.einsum("bhqk,bkhd->bhqd", p, v_t.astype(jnp.float32),
-                                                  precision=prec)
+        acc = alpha[..., None] * acc + matmul("bhqk,bkhd->bhqd", p, v_t.astype(jnp.float32))
         return m_new, alpha * denom + p.sum(-1), acc
 
     init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),

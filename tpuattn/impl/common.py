@@ -1,14 +1,31 @@
-"""Numerics shared by the implementations: matmul precision and the logit soft-cap."""
+"""Numerics shared by the implementations: the one matmul, the logit soft-cap, padding."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from tpuattn import chips
+
 
 def matmul_precision(dtype):
     """Full float32 matmuls for float32 inputs (TPUs default to bf16 passes); native otherwise."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def matmul(subscripts: str, a, b):
+    """``einsum(subscripts, a, b)`` accumulated in float32: the one matmul the implementations use.
+
+    float32 operands run at full precision (TPUs default to bf16 passes). bf16/f16 operands are
+    multiplied as they are on a TPU's MXU (exact products, float32 sums); on a CPU they are
+    widened to float32 first, which computes the same thing, because XLA:CPU in JAX 0.7.2 has no
+    kernel for some batched bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk").
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if chips.target_backend() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(subscripts, a, b, precision=matmul_precision(jnp.promote_types(a.dtype, b.dtype)),
+                      preferred_element_type=jnp.float32)
 
 
 def apply_softcap(s, softcap):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from tpuattn._checks import known_options
-from tpuattn.impl.common import apply_softcap, matmul_precision
+from tpuattn.impl.common import apply_softcap, matmul
 from tpuattn.registry import register
 
 
@@ -19,8 +19,7 @@ def scores(q, k, spec):
     """Logits ``[batch, kv_heads, group, q_len, kv_len]`` in float32, softcap applied."""
     b, tq, h, d = q.shape
     qg = q.reshape(b, tq, spec.num_kv_heads, spec.group_size, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=matmul_precision(q.dtype),
-                   preferred_element_type=jnp.float32)
+    s = matmul("bqhgd,bkhd->bhgqk", qg, k)
     return apply_softcap(s * spec.scale, spec.softcap)
 
 
@@ -43,8 +42,8 @@ def reference_attention(q, k, v, segment_ids, spec, **options):
     p = jnp.exp(s - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype) if v.dtype != jnp.float32 else p, v,
-                     precision=matmul_precision(v.dtype), preferred_element_type=jnp.float32)
+    # P in v's dtype for the second matmul, as the flash kernels do.
+    out = matmul("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
     return out.reshape(q.shape).astype(q.dtype)
 
 
