@@ -91,6 +91,15 @@ def _padding_segment(q_seg):
     return jnp.where(lo > jnp.iinfo(jnp.int32).min, lo - 1, hi + 1)
 
 
+def _x64_disabled():
+    """``jax.enable_x64(False)`` (JAX >= 0.8) or ``jax.experimental.disable_x64()`` (0.7)."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(False)
+    from jax.experimental import disable_x64
+
+    return disable_x64()
+
+
 def splash_attention(q, k, v, segment_ids, spec, **options):
     """JAX's splash-attention kernel (forward and its custom backward) behind the contract."""
     known_options("splash", options, SPLASH_OPTIONS)
@@ -140,11 +149,64 @@ def splash_attention(q, k, v, segment_ids, spec, **options):
     # and without it their NaN output (0/0) would leak into dk and dv through the backward pass.
     sinks = jnp.full((spec.num_q_heads,), _EMPTY_ROW_SINK, jnp.float32)
 
-    def one_batch(q, k, v, segments):
-        return kernel(q, k, v, segment_ids=segments, sinks=sinks)
+    def batched(q, k, v, segments):
+        one_batch = lambda q, k, v, segments: kernel(q, k, v, segment_ids=segments, sinks=sinks)
+        return jax.vmap(one_batch)(q, k, v, segments)  # [batch, heads, q_pad, dim]
 
-    out = jax.vmap(one_batch)(q, k, v, segments)  # [batch, heads, q_pad, dim]
+    out = _guarded(batched)(q, k, v, segments)
     return jnp.swapaxes(out[:, :, :q_len], 1, 2).astype(spec.dtype)
+
+
+SECOND_DERIVATIVE = ("impl='splash' has no second derivatives: JAX's splash kernel defines only a "
+                     "first-order backward. Use impl='reference', 'blockwise' or 'xla' for grad-of-grad "
+                     "(e.g. Hessian-vector products).")
+
+
+def _guarded(fn):
+    """``fn(q, k, v, segments)`` differentiable once, traced without 64-bit types, forward and backward.
+
+    Splash's index maps mix int32 grid indices with Python ints, which become int64 under
+    ``jax_enable_x64`` and fail inside JAX's kernel; nothing here needs 64 bits, so both passes are
+    traced with it off. Differentiating the backward (a second derivative) raises a clear error
+    instead of splash's bare ``NotImplementedError``.
+    """
+
+    @jax.custom_vjp
+    def call(q, k, v, segments):
+        with _x64_disabled():
+            return fn(q, k, v, segments)
+
+    def call_fwd(q, k, v, segments):
+        with _x64_disabled():
+            out, vjp = _first_order_vjp(fn, q, k, v, segments)
+        return out, vjp
+
+    def call_bwd(vjp, d_out):
+        with _x64_disabled():
+            return (*_first_order(vjp, d_out), None)
+
+    call.defvjp(call_fwd, call_bwd)
+    return call
+
+
+# A second derivative differentiates both the forward that saved the residuals and the backward;
+# each is wrapped so that differentiating it raises SECOND_DERIVATIVE.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_vjp(fn, q, k, v, segments):
+    return jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v)
+
+
+@jax.custom_jvp
+def _first_order(vjp, d_out):
+    return vjp(d_out)
+
+
+def _refuse_second_derivative(*_args):
+    raise NotImplementedError(SECOND_DERIVATIVE)
+
+
+_first_order_vjp.defjvp(_refuse_second_derivative)
+_first_order.defjvp(_refuse_second_derivative)
 
 
 def splash_supports(spec, backend: str | None = None) -> str | None:
