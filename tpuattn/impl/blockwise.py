@@ -59,7 +59,7 @@ import numpy as np
 from jax import lax
 
 from tpuattn._checks import known_options, positive_int
-from tpuattn.impl.common import matmul, pad_to_multiple
+from tpuattn.impl.common import mark_varying, matmul, pad_to_multiple, varying_axes
 from tpuattn.registry import register
 from tpuattn.spec import EMPTY, FULL, MaskSpec
 
@@ -213,6 +213,13 @@ def _mm(dtype):
     return (lambda x: x) if jnp.dtype(dtype) == jnp.float32 else (lambda x: x.astype(dtype))
 
 
+def _like_inputs(state, *inputs):
+    """Fresh loop state (or a skipped step's zeros) typed like the inputs inside a ``shard_map``:
+    varying over the same mesh axes, or the loop and its conds see two different types."""
+    axes = varying_axes(*inputs)
+    return jax.tree_util.tree_map(lambda x: mark_varying(x, axes), state)
+
+
 def _kv_block(cfg, x, t):
     return lax.dynamic_slice_in_dim(x, t * cfg.block_kv, cfg.block_kv, axis=2)
 
@@ -256,7 +263,7 @@ def _forward(cfg: _Config, qt, kt, vt, segs):
 
     init = (jnp.full((b, h, g, tq), -jnp.inf, jnp.float32), jnp.zeros((b, h, g, tq), jnp.float32),
             jnp.zeros((b, h, g, tq, d), jnp.float32))
-    m, denom, acc = _run_schedule(cfg, body, init)
+    m, denom, acc = _run_schedule(cfg, body, _like_inputs(init, qt, kt, vt))
     seen = denom > 0
     out = acc / jnp.where(seen, denom, 1.0)[..., None]
     # The log-sum-exp is kept as the pair (m, log l): the backward computes
@@ -303,12 +310,12 @@ def _delta(cfg: _Config, qt, kt, vt, segs, lse, d_out_in):
             dp = matmul("bhgqd,bhkd->bhgqk", do_rows, v_blk)
             return jnp.sum(p * dp, axis=-1)
 
-        skipped = lambda: jnp.zeros(m_rows.shape, jnp.float32)
+        skipped = lambda: _like_inputs(jnp.zeros(m_rows.shape, jnp.float32), qt, kt, vt)
         part = lax.cond(_step_predicate(keep, segs, m_rows), tile, skipped)
         r0 = step.q_lo * cfg.block_q
         return lax.dynamic_update_slice_in_dim(delta, _rows(delta, step, cfg) + part, r0, axis=3)
 
-    return _run_schedule(cfg, body, jnp.zeros(row_max.shape, jnp.float32))
+    return _run_schedule(cfg, body, _like_inputs(jnp.zeros(row_max.shape, jnp.float32), qt, kt, vt))
 
 
 def _backward(cfg: _Config, qt, kt, vt, segs, lse, d_out):
@@ -341,8 +348,8 @@ def _backward(cfg: _Config, qt, kt, vt, segs, lse, d_out):
             dk_t = matmul("bhgqk,bhgqd->bhkd", ds, q_rows) * cfg.scale
             return dq_rows, dk_t, dv_t
 
-        zeros = (jnp.zeros(q_rows.shape, jnp.float32), jnp.zeros(k_blk.shape, jnp.float32),
-                 jnp.zeros(v_blk.shape, jnp.float32))
+        zeros = _like_inputs((jnp.zeros(q_rows.shape, jnp.float32), jnp.zeros(k_blk.shape, jnp.float32),
+                              jnp.zeros(v_blk.shape, jnp.float32)), qt, kt, vt)
         dq_rows, dk_t, dv_t = lax.cond(_step_predicate(keep, segs, delta_rows), tile, lambda: zeros)
         c0 = t * cfg.block_kv
         dq_rows = lax.slice_in_dim(dq, r0, r1, axis=3) + dq_rows
@@ -352,7 +359,7 @@ def _backward(cfg: _Config, qt, kt, vt, segs, lse, d_out):
 
     init = (jnp.zeros(qt.shape, jnp.float32), jnp.zeros(kt.shape, jnp.float32),
             jnp.zeros(vt.shape, jnp.float32))
-    return _run_schedule(cfg, body, init)
+    return _run_schedule(cfg, body, _like_inputs(init, qt, kt, vt))
 
 
 def _flash_impl(cfg, qt, kt, vt, segs):

@@ -15,13 +15,14 @@ interpret mode off a TPU. What the adapter translates:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from tpuattn._checks import known_options, positive_int, round_up
-from tpuattn.impl.common import long_enough_for_flash
+from tpuattn.impl.common import long_enough_for_flash, mark_varying, varying_axes, vma_checks_off
 from tpuattn.registry import register
 
 # ---------------------------------------------------------------------------- impl="splash"
@@ -167,26 +168,42 @@ def _guarded(fn):
 
     Splash's index maps mix int32 grid indices with Python ints, which become int64 under
     ``jax_enable_x64`` and fail inside JAX's kernel; nothing here needs 64 bits, so both passes are
-    traced with it off. Differentiating the backward (a second derivative) raises a clear error
-    instead of splash's bare ``NotImplementedError``.
+    traced with it off. Inside a user's ``shard_map`` (default checks) splash's ``pallas_call`` gives
+    its outputs no varying mesh axes, so the kernel is traced with the checks off and its outputs
+    marked as varying like the inputs. Differentiating the backward (a second derivative) raises
+    a clear error instead of splash's bare ``NotImplementedError``.
     """
+
+    def run(q, k, v, segments):
+        axes = varying_axes(q, k, v)
+        with _x64_disabled(), (vma_checks_off() if axes else contextlib.nullcontext()):
+            out = fn(*_invariant(axes, q, k, v), segments)
+        return mark_varying(out, axes)
 
     @jax.custom_vjp
     def call(q, k, v, segments):
-        with _x64_disabled():
-            return fn(q, k, v, segments)
+        return run(q, k, v, segments)
 
     def call_fwd(q, k, v, segments):
-        with _x64_disabled():
-            out, vjp = _first_order_vjp(fn, q, k, v, segments)
-        return out, vjp
+        axes = varying_axes(q, k, v)
+        with _x64_disabled(), (vma_checks_off() if axes else contextlib.nullcontext()):
+            out, vjp = _first_order_vjp(fn, *_invariant(axes, q, k, v), segments)
+        return mark_varying(out, axes), vjp
 
     def call_bwd(vjp, d_out):
-        with _x64_disabled():
-            return (*_first_order(vjp, d_out), None)
+        axes = varying_axes(d_out)
+        with _x64_disabled(), (vma_checks_off() if axes else contextlib.nullcontext()):
+            grads = _first_order(vjp, *_invariant(axes, d_out))
+        return (*(mark_varying(g, axes) for g in grads), None)
 
     call.defvjp(call_fwd, call_bwd)
     return call
+
+
+def _invariant(axes, *arrays):
+    """Inside :func:`vma_checks_off`, an operation types its result as varying over no mesh axis:
+    the types splash's kernel (traced with the checks off) expects for its inputs and cotangents."""
+    return tuple(x + jnp.zeros((), x.dtype) for x in arrays) if axes else arrays
 
 
 # A second derivative differentiates both the forward that saved the residuals and the backward;
