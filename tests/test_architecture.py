@@ -144,8 +144,9 @@ def test_one_registration_reaches_every_consumer(toy, tmp_path):
     spec = tpuattn.spec_from_shapes(64, num_q_heads=2)
     assert tpuattn.choose(spec, "cpu").impl == toy
     # The bench CLI.
-    results = bench.main(["--impls", f"{toy},reference", "--seq-lens", "16", "--heads", "1", "--head-dim", "8",
-                          "--repeats", "1", "--warmup", "0", "--out", str(tmp_path), "--no-progress"])
+    results = bench.main(["--impls", f"{toy},reference", "--seq-lens", "16", "--heads", "1",
+                          "--head-dim", "8", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path),
+                          "--no-progress"])
     assert {row["impl"] for row in results.rows if row["status"] == "ok"} == {toy, "reference"}
 
 

@@ -11,6 +11,7 @@ import jax
 import pytest
 
 from tpuattn import api, bench, registry
+from tpuattn.errors import UnavailableImplementation, UnsupportedInput
 from tpuattn.impl.reference import reference_attention
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -60,9 +61,9 @@ def fake_impls(monkeypatch):
     return add
 
 
-def test_interpreted_rows_have_no_tflops(fake_impls, monkeypatch):
-    kernel = fake_impls("fake_kernel")
-    monkeypatch.setattr(bench, "INTERPRETED_OFF_TPU", frozenset({kernel}))
+def test_interpreted_rows_have_no_tflops(fake_impls):
+    kernel = fake_impls("fake_kernel", interpreted_off_tpu=True)
+    assert bench.runs_interpreted(kernel, "cpu") and not bench.runs_interpreted(kernel, "tpu")
     results = bench.run([kernel, "reference"], bench.sweep([16]), repeats=1, progress=False)
     by_impl = {row["impl"]: row for row in results.rows}
     interp, compiled = by_impl[kernel], by_impl["reference"]
@@ -82,11 +83,16 @@ def test_failures_become_rows(fake_impls):
     def broken(*args, **kwargs):
         raise TypeError("something else")
 
+    def refuses_inside(*args, **kwargs):
+        raise UnsupportedInput("refused while tracing")
+
     names = [
         fake_impls("fake_oom", out_of_memory),
         fake_impls("fake_broken", broken),
-        fake_impls("fake_unsupported", supports=lambda spec: "no causal masks" if spec.causal else None),
+        fake_impls("fake_unsupported",
+                   supports=lambda spec, backend: "no causal masks" if spec.causal else None),
         fake_impls("fake_unavailable", available=lambda: False),
+        fake_impls("fake_refuses_inside", refuses_inside),
     ]
     results = bench.run(names, bench.sweep([8], causal=(True,)), repeats=1, progress=False)
     status = {row["impl"]: (row["status"], row["error"]) for row in results.rows}
@@ -95,13 +101,18 @@ def test_failures_become_rows(fake_impls):
     assert status["fake_broken"] == ("error", "TypeError: something else")
     assert status["fake_unsupported"] == ("unsupported", "no causal masks")
     assert status["fake_unavailable"][0] == "unavailable"
+    assert status["fake_refuses_inside"] == ("unsupported", "UnsupportedInput: refused while tracing")
     assert all(row["median_s"] is None and row["tflops"] is None for row in results.rows)
 
 
-def test_classify_error():
+def test_classify_error_by_type():
     assert bench.classify_error(MemoryError()) == "oom"
-    assert bench.classify_error(ValueError("impl: 'x' does not support this input: window")) == "unsupported"
+    assert bench.classify_error(RuntimeError("RESOURCE_EXHAUSTED: 1 GiB")) == "oom"
+    assert bench.classify_error(UnsupportedInput("impl: 'x' does not support: window")) == "unsupported"
     assert bench.classify_error(NotImplementedError()) == "unsupported"
+    assert bench.classify_error(UnavailableImplementation("impl: 'x' is not available")) == "unavailable"
+    # The type decides, not the words: a plain ValueError saying "does not support" is an error.
+    assert bench.classify_error(ValueError("impl: 'x' does not support: window")) == "error"
     assert bench.classify_error(ValueError("q: expected rank 4")) == "error"
 
 
@@ -150,9 +161,12 @@ def test_cli_writes_files(tmp_path, capsys):
         figures = ["--figures"]
     except ImportError:
         figures = []
+    from tpuattn.viz import bench as bench_figures  # what `python -m tpuattn.bench` passes
+
     out = tmp_path / "bench"
     bench.main(["--impls", "reference", "--seq-lens", "16", "--heads", "1", "--head-dim", "8",
-                "--repeats", "1", "--out", str(out), "--no-progress", *figures])
+                "--repeats", "1", "--out", str(out), "--no-progress", *figures],
+               save_figures=bench_figures.save_figures)
     assert (out / "bench.csv").exists() and (out / "bench.json").exists()
     printed = capsys.readouterr().out
     assert "measured (compiled)" in printed and "bench.json" in printed
@@ -201,3 +215,19 @@ def test_cli_bad_arguments(capsys):
     assert "mode: expected one of" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--seq-lens", "a,b"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # the measuring layer draws nothing itself
+        bench.main(["--impls", "reference", "--figures", "--no-progress"])
+    assert "--figures: draw with `python -m tpuattn.bench`" in capsys.readouterr().err
+
+
+def test_module_cli_runs(tmp_path):
+    """``python -m tpuattn.bench`` (the kept path) runs the measuring layer's command line."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "tpuattn.bench", "--impls", "reference", "--seq-lens", "16",
+                           "--heads", "1", "--head-dim", "8", "--repeats", "1", "--warmup", "0",
+                           "--out", str(tmp_path), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "bench.json").exists()

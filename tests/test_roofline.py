@@ -1,72 +1,81 @@
-"""The roofline model: published chip numbers, hand-counted FLOPs and bytes, crossover properties."""
+"""The roofline model: chip numbers, hand-counted FLOPs and bytes, crossover properties."""
 
 import math
 
 import pytest
 
-from tpuattn import bench, roofline
-from tpuattn.model.roofline import GIB, MIB, PUBLISHED
+from tpuattn import api, bench, chips, roofline
+from tpuattn.model.roofline import GIB, MIB
+from tpuattn.pallas import blocks
+from tpuattn.spec import spec_from_shapes
 
 # ----------------------------------------------------------------------------- chips
 
 
-def test_v5e_matches_published_spec():
-    v5e = PUBLISHED["v5e"]
+def test_v5e_is_one_device_of_the_chip_table():
+    v5e = roofline.chip_spec("v5e")
     assert v5e.bf16_flops == 197e12
-    assert v5e.hbm_bandwidth == 819e9
-    assert v5e.hbm_capacity == 16 * GIB
+    assert v5e.hbm_bandwidth == 820e9
+    assert v5e.hbm_capacity == 17.2e9  # 16 GiB, in bytes as JAX's table writes it
     assert v5e.vmem_bytes == 128 * MIB
     assert v5e.tensor_cores == 1
+    assert v5e.source.startswith("tpuattn.chips")
 
 
+# Per JAX device: the megacore v4 and v5p are one device per chip, v2, v3 and tpu7x two.
 @pytest.mark.parametrize("name, tflops, gbps, capacity, vmem_mib, cores", [
-    ("v4", 275, 1200, 32 * GIB, 16, 2),
-    ("v5p", 459, 2765, 95e9, 64, 2),
-    ("v6e", 918, 1638, 32e9, 128, 1),
+    ("v2", 23, 358, 8e9, 16, 1),
+    ("v3", 70, 412.5, 17.2e9, 16, 1),
+    ("v4", 275, 1230, 34.4e9, 16, 2),
+    ("v5p", 459, 2460, 103e9, 64, 2),
+    ("v6e", 920, 1640, 34.4e9, 128, 1),
+    ("tpu7x", 1155, 3700, 103e9, 64, 1),
 ])
-def test_published_table(name, tflops, gbps, capacity, vmem_mib, cores):
-    chip = PUBLISHED[name]
-    assert (chip.bf16_flops, chip.hbm_bandwidth, chip.hbm_capacity) == (tflops * 1e12, gbps * 1e9, capacity)
+def test_chip_table_per_device(name, tflops, gbps, capacity, vmem_mib, cores):
+    chip = roofline.chip_spec(name)
+    assert chip.bf16_flops == pytest.approx(tflops * 1e12)
+    assert chip.hbm_bandwidth == pytest.approx(gbps * 1e9)
+    assert chip.hbm_capacity == pytest.approx(capacity)
     assert (chip.vmem_bytes, chip.tensor_cores) == (vmem_mib * MIB, cores)
 
 
-def test_auto_source_keeps_v5e_on_spec():
-    chip = roofline.chip_spec("v5e")
-    assert chip.bf16_flops == pytest.approx(197e12, rel=1e-3)
-    assert chip.hbm_bandwidth == pytest.approx(819e9, rel=0.01)
-    expected = "pltpu.get_tpu_info_for_chip" if roofline.jax_has_tpu_info() else "Google Cloud"
-    assert chip.source.startswith(expected)
+def test_hbm_capacity_is_in_bytes():
+    assert roofline.chip_spec("v6e").hbm_capacity == pytest.approx(32 * GIB, rel=0.002)
 
 
 @pytest.mark.skipif(not roofline.jax_has_tpu_info(), reason="this JAX has no pltpu.get_tpu_info_for_chip")
-@pytest.mark.parametrize("name", roofline.CHIPS)
-def test_jax_numbers_agree_with_the_published_table(name):
-    jax_chip, table = roofline.chip_spec(name, source="jax"), PUBLISHED[name]
-    assert jax_chip.bf16_flops == pytest.approx(table.bf16_flops, rel=0.01)
-    assert jax_chip.vmem_bytes == table.vmem_bytes
-    assert jax_chip.tensor_cores == table.tensor_cores
-    # JAX and the Cloud pages disagree by up to 11% on bandwidth (v5p: 2.46 vs 2.765 TB/s) and
-    # 8% on capacity (v5p: 103 vs 95 GB); the model reports which one it used (ChipSpec.source).
-    assert jax_chip.hbm_bandwidth == pytest.approx(table.hbm_bandwidth, rel=0.12)
-    assert jax_chip.hbm_capacity == pytest.approx(table.hbm_capacity, rel=0.09)
+@pytest.mark.parametrize("name", chips.NAMES)
+def test_jax_numbers_agree_with_the_table(name):
+    jax_chip, table = roofline.chip_spec(name, source="jax"), roofline.chip_spec(name)
+    assert jax_chip.source.startswith("pltpu.get_tpu_info_for_chip")
+    for field in ("bf16_flops", "hbm_bandwidth", "hbm_capacity"):
+        assert getattr(jax_chip, field) == pytest.approx(getattr(table, field), rel=1e-6), field
+    assert (jax_chip.vmem_bytes, jax_chip.tensor_cores) == (table.vmem_bytes, table.tensor_cores)
+
+
+def test_jax_source_needs_a_jax_that_has_it():
+    if roofline.jax_has_tpu_info():
+        assert roofline.chip_spec("v5e", source="jax").bf16_flops == 197e12
+    else:
+        with pytest.raises(ValueError, match="source: 'jax' needs pltpu.get_tpu_info_for_chip"):
+            roofline.chip_spec("v5e", source="jax")
 
 
 def test_device_kinds_and_bad_names():
-    assert roofline.chip_spec("TPU v5 lite", source="published") is PUBLISHED["v5e"]
-    assert roofline.chip_spec("TPU v6 lite", source="published") is PUBLISHED["v6e"]
-    assert roofline.chip_for_device_kind("TPU v4") == "v4"
-    assert roofline.chip_for_device_kind("cpu") is None
-    with pytest.raises(ValueError, match="name: expected a chip name"):
+    assert roofline.chip_spec("TPU v5 lite") == roofline.chip_spec("v5e")
+    assert roofline.chip_spec("TPU v6 lite") == roofline.chip_spec("v6e")
+    assert roofline.chip_spec(chips.from_device_kind("TPU v4")).name == "v4"
+    with pytest.raises(ValueError, match="expected a chip name"):
         roofline.chip_spec("v9z")
     with pytest.raises(ValueError, match="source: expected"):
         roofline.chip_spec("v5e", source="guess")
 
 
 def test_f32_is_modelled_as_six_bf16_passes():
-    v5e = PUBLISHED["v5e"]
+    v5e = roofline.chip_spec("v5e")
     assert v5e.peak_flops("float32") == v5e.bf16_flops / 6
     assert v5e.peak_flops("bfloat16") == v5e.bf16_flops
-    assert v5e.ridge_point("bfloat16") == pytest.approx(197e12 / 819e9)
+    assert v5e.ridge_point("bfloat16") == pytest.approx(197e12 / 820e9)
 
 
 # ----------------------------------------------------------------------------- counts
@@ -104,6 +113,51 @@ def test_flash_counts_by_hand():
     assert causal.visited_fraction == 0.75
 
 
+def test_problem_is_built_by_spec_from_shapes():
+    assert roofline.problem(4096, window=128) == roofline.problem(4096, window=(128, 128))
+    spec = roofline.problem(512, batch=2, heads=8, kv_heads=2, head_dim=64, dtype="float32", causal=True,
+                            kv_len=1024)
+    assert spec == spec_from_shapes(512, 1024, batch=2, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                                    dtype="float32", causal=True)
+
+
+def test_schedules_and_blocks_come_from_the_registry():
+    models = roofline.models()
+    for name, schedule in models.items():
+        assert schedule == api.get_implementation(name).schedule
+        assert schedule in roofline.SCHEDULES
+    spec = roofline.problem(8192, head_dim=128, dtype="bfloat16", causal=True)
+    v5e = roofline.chip_spec("v5e")
+    for name, schedule in models.items():
+        if schedule != "materialised":
+            record = api.get_implementation(name)
+            expected = tuple(record.default_blocks(spec, v5e.vmem_bytes))
+            assert roofline.default_blocks(name, spec, v5e) == expected
+
+
+def test_default_blocks_follow_each_chip():
+    spec = roofline.problem(8192, head_dim=128, dtype="bfloat16", causal=True)
+    # The splash kernel runs 512 x 512 tiles by default (capped at the 128-rounded lengths).
+    assert roofline.default_blocks("splash", spec, roofline.chip_spec("v5e")) == (512, 512)
+    assert roofline.default_blocks("splash", roofline.problem(200), roofline.chip_spec("v5e")) == (256, 256)
+    # The Pallas kernel sizes its blocks to the chip's VMEM budget: less on a 16 MiB chip.
+    v5e_blocks = roofline.default_blocks("pallas", spec, roofline.chip_spec("v5e"))
+    v4_blocks = roofline.default_blocks("pallas", spec, roofline.chip_spec("v4"))
+    forward = blocks.default_block_sizes(128, "bfloat16", vmem_bytes=16 * MIB).forward
+    assert v4_blocks == (forward.block_q, forward.block_kv)
+    assert v5e_blocks == (512, 512) and v4_blocks[0] * v4_blocks[1] < 512 * 512
+    assert roofline.cost("splash", spec, chip=roofline.chip_spec("v5e")) == roofline.cost(
+        "splash", spec, q_block=512, kv_block=512)
+
+
+def test_flash_vmem_is_the_kernels_own_accounting():
+    spec = roofline.problem(4096, head_dim=64, dtype="bfloat16")
+    fwd = roofline.cost("pallas", spec, "fwd", q_block=256, kv_block=128)
+    both = roofline.cost("pallas", spec, "fwd+bwd", q_block=256, kv_block=128)
+    assert fwd.vmem_bytes == blocks.forward_vmem_bytes(256, 128, 128, 2)  # head_dim padded to 128 lanes
+    assert both.vmem_bytes == max(fwd.vmem_bytes, blocks.backward_vmem_bytes(256, 128, 128, 2))
+
+
 def test_visited_tiles_follow_block_map():
     spec = roofline.problem(1024, causal=True)
     assert roofline.visited_tiles(spec, 128, 128) == (36, 64)  # 8 * 9 / 2
@@ -121,21 +175,21 @@ def test_standard_flops_is_the_bench_count():
 # ----------------------------------------------------------------------------- predictions
 
 
-@pytest.mark.parametrize("impl", sorted(roofline.MODELS))
+@pytest.mark.parametrize("impl", sorted(roofline.models()))
 @pytest.mark.parametrize("mode", roofline.MODES)
 def test_predicted_time_grows_with_length(impl, mode):
-    chip = PUBLISHED["v5e"]
+    chip = roofline.chip_spec("v5e")
     times = [roofline.predict(impl, roofline.problem(t, causal=True), chip, mode, **_blocks(impl)).time_s
              for t in (1024, 2048, 4096, 8192)]
     assert all(b > a for a, b in zip(times, times[1:], strict=False))
 
 
 def _blocks(impl):
-    return {} if roofline.MODELS[impl] == "materialised" else {"q_block": 512, "kv_block": 512}
+    return {} if roofline.models()[impl] == "materialised" else {"q_block": 512, "kv_block": 512}
 
 
 def test_bounds_at_long_sequences():
-    chip = PUBLISHED["v5e"]
+    chip = roofline.chip_spec("v5e")
     spec = roofline.problem(32768, causal=True, dtype="bfloat16")
     ref = roofline.predict("reference", spec, chip)
     flash = roofline.predict("pallas", spec, chip, q_block=512, kv_block=512)
@@ -150,7 +204,7 @@ def test_bounds_at_long_sequences():
 
 
 def test_materialise_crossover():
-    chip = PUBLISHED["v5e"]
+    chip = roofline.chip_spec("v5e")
     kwargs = dict(batch=1, heads=8, head_dim=128, dtype="bfloat16")
     t = roofline.materialise_crossover(chip, **kwargs)
 
@@ -161,21 +215,23 @@ def test_materialise_crossover():
     assert peak(t) > chip.hbm_capacity >= peak(t - 1)
     assert t == pytest.approx(math.sqrt(chip.hbm_capacity / (6 * 8)), rel=0.01)  # S f32 + P bf16 per head
     assert roofline.materialise_crossover(chip, mode="fwd+bwd", **kwargs) < t
-    assert roofline.materialise_crossover(PUBLISHED["v5p"], **kwargs) > t
+    assert roofline.materialise_crossover("v5p", **kwargs) > t
 
 
 def test_vmem_crossover_by_hand():
     # Q, O blocks bf16 + f32 accumulator = 131072 bytes; per key: a f32 score column of 128 rows
-    # (512 B) + a K and a V row (2 * 128 * 2 = 512 B).
-    expected = (128 * MIB - 131072) // 1024 + 1
-    assert roofline.vmem_crossover(PUBLISHED["v5e"], q_block=128, head_dim=128) == expected
-    assert roofline.vmem_crossover(PUBLISHED["v4"]) < roofline.vmem_crossover(PUBLISHED["v5e"])
+    # (512 B) + a K and a V row (2 * 128 * 2 = 512 B). The VMEM is what a kernel is given, the
+    # Pallas kernel's budget: on v5e (128 MiB physical) 16 MiB.
+    v5e = roofline.chip_spec("v5e")
+    assert v5e.vmem_budget_bytes == blocks.vmem_budget_bytes(128 * MIB) == 16 * MIB
+    expected = (16 * MIB - 131072) // 1024 + 1
+    assert roofline.vmem_crossover(v5e, q_block=128, head_dim=128) == expected
+    assert roofline.vmem_crossover("v4") < roofline.vmem_crossover("v5e")
 
 
 def test_roofline_curve():
-    chip = PUBLISHED["v5e"]
-    low, high = roofline.roofline_curve(chip, [1.0, 1e4])
-    assert low == 819e9 and high == 197e12
+    low, high = roofline.roofline_curve("v5e", [1.0, 1e4])
+    assert low == 820e9 and high == 197e12
 
 
 def test_bad_arguments():

@@ -1,11 +1,16 @@
-"""Kept import path and CLI: ``tpuattn.bench`` is :mod:`tpuattn.measure.bench` (the same module
-object), and ``python -m tpuattn.bench`` runs its CLI."""
+"""Kept import path and the command line.
+
+``import tpuattn.bench`` gives :mod:`tpuattn.measure.bench` (the same module object);
+``python -m tpuattn.bench`` runs its command line with ``--figures`` drawn by :mod:`tpuattn.viz.bench`.
+"""
 
 import sys
 
 from tpuattn.measure import bench as _module
 
 if __name__ == "__main__":
-    _module.main()
+    from tpuattn.viz import bench as _figures
+
+    _module.main(save_figures=_figures.save_figures)
 else:
     sys.modules[__name__] = _module

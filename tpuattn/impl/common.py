@@ -78,3 +78,20 @@ def vma_checks_off():
     from jax._src import config
 
     return config._check_vma(False)
+
+
+# ---------------------------------------------------------------------------- first order only
+def first_order_only(fn, message: str):
+    """``fn`` unchanged, except that differentiating it raises ``NotImplementedError(message)``.
+
+    For the forward and backward of a kernel that defines only a first-order VJP: a second
+    derivative differentiates both (the forward that saved the residuals and the backward), and
+    without this JAX raises a bare ``NotImplementedError`` from deep inside ``pallas_call``.
+    """
+    guarded = jax.custom_jvp(fn)
+
+    def refuse(primals, tangents):
+        raise NotImplementedError(message)
+
+    guarded.defjvp(refuse)
+    return guarded

@@ -22,7 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from tpuattn._checks import known_options, positive_int, round_up
-from tpuattn.impl.common import long_enough_for_flash, mark_varying, varying_axes, vma_checks_off
+from tpuattn.impl.common import (
+    first_order_only,
+    long_enough_for_flash,
+    mark_varying,
+    varying_axes,
+    vma_checks_off,
+)
 from tpuattn.registry import register
 
 # ---------------------------------------------------------------------------- impl="splash"
@@ -206,24 +212,13 @@ def _invariant(axes, *arrays):
     return tuple(x + jnp.zeros((), x.dtype) for x in arrays) if axes else arrays
 
 
-# A second derivative differentiates both the forward that saved the residuals and the backward;
-# each is wrapped so that differentiating it raises SECOND_DERIVATIVE.
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _first_order_vjp(fn, q, k, v, segments):
-    return jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v)
+    return first_order_only(lambda q, k, v, segments: jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v),
+                            SECOND_DERIVATIVE)(q, k, v, segments)
 
 
-@jax.custom_jvp
 def _first_order(vjp, d_out):
-    return vjp(d_out)
-
-
-def _refuse_second_derivative(*_args):
-    raise NotImplementedError(SECOND_DERIVATIVE)
-
-
-_first_order_vjp.defjvp(_refuse_second_derivative)
-_first_order.defjvp(_refuse_second_derivative)
+    return first_order_only(lambda vjp, d_out: vjp(d_out), SECOND_DERIVATIVE)(vjp, d_out)
 
 
 def splash_supports(spec, backend: str | None = None) -> str | None:

@@ -3,17 +3,18 @@
 A benchmark is a sweep: every implementation x shape x mode (``"fwd"`` or ``"fwd+bwd"``).
 Each row is timed with :func:`tpuattn.measure.timing.time_jitted` (compile timed on its own, warm-up,
 the median and spread of repeats, every call synchronised with ``block_until_ready``),
-converted to TFLOP/s with the standard count (:func:`attention_flops`) and, on request,
+converted to TFLOP/s with the standard count (:mod:`tpuattn.measure.flops`) and, on request,
 given a peak memory (:mod:`tpuattn.measure.memory`'s child process on CPU; XLA's memory analysis of
 the compiled call on an accelerator). A failure (out of memory, an unsupported input, an
 implementation missing here) becomes a row with a ``status``, never a crash. Results go to
 CSV and JSON together with the environment (JAX version, backend, device kind) so that runs
 from different machines can be compared.
 
-**Interpret mode is never kernel speed.** The Pallas TPU kernels (``pallas``, ``splash``) run
-in interpret mode off a TPU: they are timed (the number says how long the lesson takes to
-run) but the row's ``timing_kind`` is ``"measured (interpret mode — not kernel speed)"`` and
-its ``tflops`` is left empty. See :func:`runs_interpreted`.
+**Interpret mode is never kernel speed.** Pallas TPU kernels (registered with
+``interpreted_off_tpu=True``) run in interpret mode off a TPU: they are timed (the number says how
+long the lesson takes to run) but the row's ``timing_kind`` is
+``"measured (interpret mode — not kernel speed)"`` and its ``tflops`` is left empty. See
+:func:`runs_interpreted`.
 
 From Python::
 
@@ -23,7 +24,7 @@ From Python::
     results.save("out/bench")          # out/bench/bench.csv, out/bench/bench.json
     print(results.table())
 
-From a shell (``--help`` lists every flag)::
+From a shell (``--help`` lists every flag; ``--figures`` draws with :mod:`tpuattn.viz.bench`)::
 
     python -m tpuattn.bench --impls reference,blockwise --seq-lens 1024,2048 --modes fwd,fwd+bwd \\
         --causal both --out out/bench --memory --figures
@@ -38,24 +39,18 @@ import datetime
 import json
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-MODES = ("fwd", "fwd+bwd")
-DTYPES = ("float32", "bfloat16", "float16")
+from tpuattn._checks import positive_int
+from tpuattn.errors import UnavailableImplementation, UnsupportedInput
+from tpuattn.measure.flops import MODES, attention_flops, check_mode
+from tpuattn.measure.workload import Shape, function, inputs
 
-# The standard FLOP count (FlashAttention's benchmarks, Triton's fused-attention tutorial):
-# the forward is two matmuls, QK^T and PV, of 2*Tq*Tk*D FLOPs each per (batch, head); a causal
-# mask halves it; the backward is 2.5x the forward (five matmuls: dV, dP, dQ, dK and the
-# recomputed S), so forward+backward is 1 + 2.5 = 3.5x. These are conventions for comparing
-# runs, not the work a particular schedule executes (tpuattn.roofline counts that).
-FORWARD_FLOPS_PER_SCORE = 4  # per (query, key) pair and head_dim element: 2 matmuls x (mul + add)
-CAUSAL_FACTOR = 0.5
-BACKWARD_FACTOR = 2.5
-MODE_FACTOR = {"fwd": 1.0, "fwd+bwd": 1.0 + BACKWARD_FACTOR}
+__all__ = ["COLUMNS", "MODES", "STATUSES", "TIMING_COMPILED", "TIMING_INTERPRET", "BenchResults", "Shape",
+           "attention_flops", "classify_error", "environment", "main", "parser", "progress_bar", "run",
+           "run_one", "runs_interpreted", "sweep", "timing_kind"]
 
-# Implementations that are Pallas TPU kernels: off a TPU they run in interpret mode.
-INTERPRETED_OFF_TPU = frozenset({"pallas", "splash"})
 TIMING_COMPILED = "measured (compiled)"
 TIMING_INTERPRET = "measured (interpret mode — not kernel speed)"
 
@@ -72,39 +67,22 @@ COLUMNS = (
 )
 
 
-# ----------------------------------------------------------------------------- FLOPs
-def attention_flops(*, batch: int, heads: int, q_len: int, kv_len: int | None = None, head_dim: int,
-                    causal: bool = False, mode: str = "fwd") -> float:
-    """The standard attention FLOP count.
-
-    ``4 * batch * heads * q_len * kv_len * head_dim`` for the forward (``heads`` = query
-    heads), times 0.5 when causal, times ``1 + 2.5`` for forward+backward.
-    """
-    kv_len = q_len if kv_len is None else kv_len
-    for name, value in (("batch", batch), ("heads", heads), ("q_len", q_len), ("kv_len", kv_len),
-                        ("head_dim", head_dim)):
-        _check_positive_int(name, value)
-    _check_mode(mode)
-    flops = float(FORWARD_FLOPS_PER_SCORE) * batch * heads * q_len * kv_len * head_dim
-    if causal:
-        flops *= CAUSAL_FACTOR
-    return flops * MODE_FACTOR[mode]
-
-
 # ----------------------------------------------------------------------------- labels
 def runs_interpreted(impl: str, backend: str | None = None, options: dict | None = None) -> bool:
-    """Whether ``impl`` runs in Pallas interpret mode here.
+    """Whether ``impl`` runs in Pallas interpret mode on ``backend`` (default: this machine's).
 
-    True for a Pallas TPU kernel (:data:`INTERPRETED_OFF_TPU`) on any backend but ``"tpu"``,
-    and for any implementation given a truthy ``interpret`` option.
+    True for a Pallas TPU kernel (its record's ``interpreted_off_tpu``) on any backend but
+    ``"tpu"``, and for any implementation given a truthy ``interpret`` option.
     """
+    from tpuattn import api
+
+    if options and options.get("interpret"):
+        return True
     if backend is None:
         import jax
 
         backend = jax.default_backend()
-    if options and options.get("interpret"):
-        return True
-    return impl in INTERPRETED_OFF_TPU and backend != "tpu"
+    return api.get_implementation(impl).interpreted_off_tpu and backend != "tpu"
 
 
 def timing_kind(impl: str, backend: str | None = None, options: dict | None = None) -> str:
@@ -130,44 +108,11 @@ def environment(argv: Sequence[str] | None = None) -> dict:
 
 
 # ----------------------------------------------------------------------------- shapes
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """One problem: q ``[batch, seq_len, heads, head_dim]``, k/v ``[batch, kv_len, kv_heads, head_dim]``."""
-
-    seq_len: int
-    batch: int = 1
-    heads: int = 4
-    kv_heads: int | None = None  # None: = heads
-    head_dim: int = 64
-    dtype: str = "float32"
-    causal: bool = False
-    kv_len: int | None = None  # None: = seq_len
-
-    def __post_init__(self):
-        for name in ("seq_len", "batch", "heads", "head_dim"):
-            _check_positive_int(name, getattr(self, name))
-        if self.kv_heads is None:
-            object.__setattr__(self, "kv_heads", self.heads)
-        if self.kv_len is None:
-            object.__setattr__(self, "kv_len", self.seq_len)
-        _check_positive_int("kv_heads", self.kv_heads)
-        _check_positive_int("kv_len", self.kv_len)
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads: expected a multiple of kv_heads={self.kv_heads}, got {self.heads}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"causal: expected a bool, got {self.causal!r}")
-
-    def flops(self, mode: str) -> float:
-        return attention_flops(batch=self.batch, heads=self.heads, q_len=self.seq_len, kv_len=self.kv_len,
-                               head_dim=self.head_dim, causal=self.causal, mode=mode)
-
-
 def sweep(seq_lens: Iterable[int], *, batch: int = 1, heads: int = 4, kv_heads: int | None = None,
           head_dim: int = 64, dtypes: Iterable[str] = ("float32",),
           causal: Iterable[bool] = (False,)) -> list[Shape]:
-    """Every combination of sequence length, dtype and causal flag (self-attention: kv_len = seq_len)."""
+    """A :class:`~tpuattn.measure.workload.Shape` for every combination of sequence length, dtype and
+    causal flag (self-attention: kv_len = seq_len)."""
     seq_lens, dtypes, causal = list(seq_lens), list(dtypes), list(causal)
     for name, values in (("seq_lens", seq_lens), ("dtypes", dtypes), ("causal", causal)):
         if not values:
@@ -275,14 +220,17 @@ def _pct(fraction):
 
 # ----------------------------------------------------------------------------- running
 def classify_error(exc: BaseException) -> str:
-    """``"oom"``, ``"unsupported"`` or ``"error"`` for an exception raised by a benchmark row."""
+    """The row status for an exception a benchmark row raised, by its type: ``"unsupported"``
+    (:class:`~tpuattn.errors.UnsupportedInput`, ``NotImplementedError``), ``"unavailable"``
+    (:class:`~tpuattn.errors.UnavailableImplementation`), ``"oom"`` (``MemoryError``, or XLA's
+    ``RESOURCE_EXHAUSTED``, which only its message tells apart) or ``"error"``."""
+    if isinstance(exc, UnsupportedInput | NotImplementedError):
+        return "unsupported"
+    if isinstance(exc, UnavailableImplementation):
+        return "unavailable"
     message = str(exc)
     if isinstance(exc, MemoryError) or "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower():
         return "oom"
-    if isinstance(exc, NotImplementedError):
-        return "unsupported"
-    if isinstance(exc, ValueError) and "does not support" in message:
-        return "unsupported"
     return "error"
 
 
@@ -330,33 +278,6 @@ def progress_bar(total: int, enabled: bool = True):
     return tqdm(total=total, unit="run", file=sys.stderr)
 
 
-def _inputs(shape: Shape, seed: int):
-    import jax
-    import jax.numpy as jnp
-
-    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    dtype = jnp.dtype(shape.dtype)
-    q = jax.random.normal(keys[0], (shape.batch, shape.seq_len, shape.heads, shape.head_dim), jnp.float32)
-    kv_shape = (shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim)
-    k = jax.random.normal(keys[1], kv_shape, jnp.float32)
-    v = jax.random.normal(keys[2], kv_shape, jnp.float32)
-    return jax.block_until_ready(tuple(x.astype(dtype) for x in (q, k, v)))
-
-
-def _function(impl: str, shape: Shape, mode: str, options: dict):
-    import jax
-    import jax.numpy as jnp
-
-    import tpuattn
-
-    def forward(q, k, v):
-        return tpuattn.attention(q, k, v, causal=shape.causal, impl=impl, **options)
-
-    if mode == "fwd":
-        return forward
-    return jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
-
-
 def _device_memory_mib(fn, args) -> float:
     """XLA's plan for the compiled call: temporaries + outputs (accelerators; RSS says nothing there)."""
     import jax
@@ -383,10 +304,13 @@ def _row_base(impl: str, shape: Shape, mode: str, env: dict, options: dict) -> d
     }
 
 
-def run_one(impl: str, shape: Shape, mode: str, *, inputs=None, env: dict | None = None,
+def run_one(impl: str, shape: Shape, mode: str, *, arrays=None, env: dict | None = None,
             options: dict | None = None, warmup: int = 1, repeats: int = 5, min_time_s: float = 0.0,
             memory: bool = False, timing: bool = True, seed: int = 0) -> dict:
-    """One benchmark row (see :data:`COLUMNS`); failures are recorded in ``status``/``error``."""
+    """One benchmark row (see :data:`COLUMNS`); failures are recorded in ``status``/``error``.
+
+    ``arrays``: ``(q, k, v)`` of ``shape`` to reuse (default: :func:`~tpuattn.measure.workload.inputs`).
+    """
     from tpuattn import api
     from tpuattn.measure.timing import time_jitted
 
@@ -397,14 +321,13 @@ def run_one(impl: str, shape: Shape, mode: str, *, inputs=None, env: dict | None
     if not implementation.available():
         row.update(status="unavailable", error=f"not available on backend {env['backend']!r}")
         return row
+    reason = implementation.supports(shape.spec(), env["backend"])
+    if reason is not None:
+        row.update(status="unsupported", error=reason)
+        return row
     try:
-        q, k, v = inputs if inputs is not None else _inputs(shape, seed)
-        *_, spec = api.make_spec(q, k, v, causal=shape.causal)
-        reason = implementation.supports(spec)
-        if reason is not None:
-            row.update(status="unsupported", error=reason)
-            return row
-        fn = _function(impl, shape, mode, options)
+        q, k, v = arrays if arrays is not None else inputs(shape, seed)
+        fn = function(impl, shape, mode, options)
         if timing:
             t = time_jitted(fn, q, k, v, warmup=warmup, repeats=repeats, min_total_s=min_time_s)
             row.update(compile_s=t.compile_s, median_s=t.median_s, min_s=t.min_s, max_s=t.max_s,
@@ -414,22 +337,12 @@ def run_one(impl: str, shape: Shape, mode: str, *, inputs=None, env: dict | None
         if memory and env["backend"] != "cpu":
             row.update(memory_method="XLA memory_analysis (temp + output)",
                        peak_mib=_device_memory_mib(fn, (q, k, v)))
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a row
+    except Exception as exc:  # noqa: BLE001 - the bench's contract: any failure of a row is a row, not a crash
         row.update(status=classify_error(exc), error=_short_error(exc))
         return row
     if memory and env["backend"] == "cpu":
         _child_memory(row, impl, shape, mode, options)
     return row
-
-
-def measure_memory(impl: str, shape: Shape, mode: str, options: dict | None = None,
-                   timeout: float = 600.0):
-    """Peak memory of one call in a fresh child process (:func:`tpuattn.memory.measure_peak_memory`)."""
-    from tpuattn.measure.memory import measure_peak_memory
-
-    return measure_peak_memory(impl, shape.seq_len, mode=mode, causal=shape.causal, batch=shape.batch,
-                               heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                               dtype=shape.dtype, options=options, timeout=timeout)
 
 
 def _child_memory(row: dict, impl: str, shape: Shape, mode: str, options: dict) -> None:
@@ -438,7 +351,9 @@ def _child_memory(row: dict, impl: str, shape: Shape, mode: str, options: dict) 
     except TypeError:
         row["memory_method"] = "not measured (options are not JSON)"
         return
-    peak = measure_memory(impl, shape, mode, options)
+    from tpuattn.measure.memory import measure_shape
+
+    peak = measure_shape(impl, shape, mode, options)
     row["memory_method"] = "child process peak RSS"
     if peak.ok:
         row.update(peak_mib=peak.peak_mib, call_mib=peak.call_mib)
@@ -491,8 +406,8 @@ def run(impls=None, shapes: Iterable[Shape] = (), modes: Iterable[str] = ("fwd",
     if not modes:
         raise ValueError(f"modes: expected at least one of {MODES}, got none")
     for mode in modes:
-        _check_mode(mode)
-    _check_positive_int("repeats", repeats)
+        check_mode(mode)
+    positive_int("repeats", repeats)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup: expected a non-negative int, got {warmup!r}")
     if not timing and not memory:
@@ -509,32 +424,21 @@ def run(impls=None, shapes: Iterable[Shape] = (), modes: Iterable[str] = ("fwd",
     bar = progress_bar(len(shapes) * len(impls) * len(modes), progress)
     try:
         for shape in shapes:
-            inputs = None
+            arrays = None
             for impl in impls:
                 for mode in modes:
                     bar.set_description(
                         f"{impl} {mode} seq={shape.seq_len} causal={shape.causal} {shape.dtype}")
-                    if inputs is None:
-                        inputs = _inputs(shape, seed)
-                    rows.append(run_one(impl, shape, mode, inputs=inputs, env=env, options=options.get(impl),
+                    if arrays is None:
+                        arrays = inputs(shape, seed)
+                    rows.append(run_one(impl, shape, mode, arrays=arrays, env=env, options=options.get(impl),
                                         warmup=warmup, repeats=repeats, min_time_s=min_time_s, memory=memory,
                                         timing=timing, seed=seed))
                     bar.update(1)
-            del inputs
+            del arrays
     finally:
         bar.close()
     return BenchResults(rows=rows, environment=env)
-
-
-# ----------------------------------------------------------------------------- validation helpers
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-
-
-def _check_mode(mode) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
 # ----------------------------------------------------------------------------- command line
@@ -559,7 +463,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tpuattn.bench",
         description="Benchmark tpuattn implementations over a sweep; write CSV, JSON and figures.",
-        epilog="Off a TPU, Pallas kernels (pallas, splash) run in interpret mode: their rows are "
+        epilog="Off a TPU, Pallas TPU kernels run in interpret mode: their rows are "
                "labelled 'not kernel speed' and carry no TFLOP/s.")
     p.add_argument("--impls", default="all", help="comma-separated implementation names, or 'all' (default)")
     p.add_argument("--seq-lens", type=_int_list, default=[256, 512, 1024], help="e.g. 1024,2048")
@@ -573,7 +477,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--min-time", type=float, default=0.0, help="add repeats until this many seconds")
-    p.add_argument("--options", default="", help='JSON, e.g. \'{"blockwise": {"block_q": 256}}\'')
+    p.add_argument("--options", default="", help="JSON: {impl: {option: value}}")
     p.add_argument("--memory", action="store_true", help="also measure peak memory (slow on CPU)")
     p.add_argument("--figures", action="store_true", help="also write PNG figures (needs matplotlib)")
     p.add_argument("--out", default="out/bench", help="output folder (default out/bench)")
@@ -581,10 +485,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> BenchResults:
+def main(argv: Sequence[str] | None = None, *,
+         save_figures: Callable[[BenchResults, Path], list[Path]] | None = None) -> BenchResults:
+    """The command line. ``--figures`` needs ``save_figures`` (``python -m tpuattn.bench`` passes
+    :func:`tpuattn.viz.bench.save_figures`; the measuring layer does not import the figures)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
     args = p.parse_args(argv)
+    if args.figures and save_figures is None:
+        p.error("--figures: draw with `python -m tpuattn.bench` (this entry point measures only)")
     try:
         impls = "all" if args.impls == "all" else _str_list(args.impls)
         options = json.loads(args.options) if args.options else {}
@@ -601,9 +510,7 @@ def main(argv: Sequence[str] | None = None) -> BenchResults:
     print(results.table())
     print(f"wrote {csv_path} and {json_path}")
     if args.figures:
-        from tpuattn.viz import bench as bench_plots
-
-        for path in bench_plots.save_figures(results, args.out):
+        for path in save_figures(results, Path(args.out)):
             print(f"wrote {path}")
     return results
 

@@ -1,14 +1,13 @@
-"""Peak memory measured as a child process's maximum resident set size.
+"""Peak memory of one call, measured as a child process's peak resident set.
 
-On CPU, ``compiled.memory_analysis()`` under-counts loops and fused code, so the
-honest number is what the operating system saw: run one attention call in a
-fresh Python process and read ``ru_maxrss``. The child reports the peak before
-the call (JAX runtime, inputs) and after it; the difference is what the call
-itself needed, compilation included.
+On CPU, ``compiled.memory_analysis()`` under-counts loops and fused code, so the honest number is
+what the operating system saw: run the call (:mod:`tpuattn.measure.workload`) in a fresh Python
+process and read its high-water mark. The child reports the peak before the call (JAX runtime,
+inputs) and after it; the difference is what the call itself needed, compilation included.
 
-Usage from Python::
+From Python::
 
-    peak = measure_peak_memory("blockwise", seq_len=4096, mode="fwd")
+    peak = measure_peak_memory("blockwise", 4096, mode="fwd")
 
 or from a shell: ``python -m tpuattn.measure.memory --impl blockwise --seq-len 4096 --mode fwd``.
 """
@@ -22,7 +21,8 @@ import os
 import subprocess
 import sys
 
-MODES = ("fwd", "fwd+bwd")
+from tpuattn.measure.flops import MODES, check_mode
+from tpuattn.measure.workload import Shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +31,8 @@ class PeakMemory:
     seq_len: int
     mode: str
     causal: bool
-    baseline_mib: float  # max RSS before compiling and running the call
-    peak_mib: float  # max RSS after running it
+    baseline_mib: float  # peak RSS before compiling and running the call
+    peak_mib: float  # peak RSS after running it
     ok: bool = True
     error: str = ""
 
@@ -45,10 +45,9 @@ class PeakMemory:
 def _max_rss_mib() -> float:
     """Peak resident set of this process's own address space (``VmHWM``), in MiB.
 
-    Not ``ru_maxrss``: Linux carries the parent's peak at fork time into a child's
-    ``ru_maxrss`` across ``exec``, so a child started from a large process (a notebook
-    kernel that has already run benchmarks) would report at least the parent's size.
-    ``VmHWM`` starts afresh with the new address space at ``exec``.
+    Not ``ru_maxrss``: Linux carries the parent's peak at fork time into a child's ``ru_maxrss``
+    across ``exec``, so a child started from a large process (a notebook kernel that has already
+    run benchmarks) would report at least the parent's size. ``VmHWM`` starts afresh at ``exec``.
     """
     try:
         with open("/proc/self/status", encoding="ascii") as status:
@@ -76,29 +75,13 @@ def _reset_peak() -> float | None:
     return None
 
 
-def _child(args) -> dict:
+def _child(impl: str, shape: Shape, mode: str, options: dict) -> dict:
     import jax
-    import jax.numpy as jnp
 
-    import tpuattn
+    from tpuattn.measure.workload import function, inputs
 
-    options = json.loads(args.options) if args.options else {}
-    shape_q = (args.batch, args.seq_len, args.heads, args.head_dim)
-    shape_kv = (args.batch, args.seq_len, args.kv_heads or args.heads, args.head_dim)
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    dtype = jnp.dtype(args.dtype)
-    q = jax.random.normal(keys[0], shape_q, dtype)
-    k = jax.random.normal(keys[1], shape_kv, dtype)
-    v = jax.random.normal(keys[2], shape_kv, dtype)
-
-    def fwd(q, k, v):
-        return tpuattn.attention(q, k, v, causal=args.causal, impl=args.impl, **options)
-
-    if args.mode == "fwd":
-        fn = jax.jit(fwd)
-    else:
-        fn = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
-    jax.block_until_ready((q, k, v))
+    q, k, v = inputs(shape)
+    fn = jax.jit(function(impl, shape, mode, options))
     # Start the high-water mark afresh at the current resident set, so a call smaller than
     # JAX's own start-up peak is still seen (Linux: writing 5 to clear_refs resets VmHWM).
     baseline = _reset_peak() or _max_rss_mib()
@@ -106,19 +89,15 @@ def _child(args) -> dict:
     return {"baseline_mib": baseline, "peak_mib": _max_rss_mib()}
 
 
-def measure_peak_memory(impl: str, seq_len: int, *, mode: str = "fwd", causal: bool = False, batch: int = 1,
-                        heads: int = 4, kv_heads: int | None = None, head_dim: int = 64,
-                        dtype: str = "float32", options: dict | None = None,
-                        timeout: float = 600.0) -> PeakMemory:
-    """Run one call in a child process and return its peak memory (see module docstring)."""
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    cmd = [sys.executable, "-m", "tpuattn.measure.memory", "--impl", impl, "--seq-len", str(seq_len),
-           "--mode", mode, "--batch", str(batch), "--heads", str(heads), "--head-dim", str(head_dim),
-           "--dtype", dtype]
-    if kv_heads:
-        cmd += ["--kv-heads", str(kv_heads)]
-    if causal:
+def measure_shape(impl: str, shape: Shape, mode: str = "fwd", options: dict | None = None,
+                  timeout: float = 600.0) -> PeakMemory:
+    """Run one call of ``impl`` on ``shape`` in a child process; return its peak memory."""
+    check_mode(mode)
+    cmd = [sys.executable, "-m", "tpuattn.measure.memory", "--impl", impl, "--seq-len", str(shape.seq_len),
+           "--kv-len", str(shape.kv_len), "--mode", mode, "--batch", str(shape.batch),
+           "--heads", str(shape.heads), "--kv-heads", str(shape.kv_heads), "--head-dim", str(shape.head_dim),
+           "--dtype", shape.dtype]
+    if shape.causal:
         cmd.append("--causal")
     if options:
         cmd += ["--options", json.dumps(options)]
@@ -128,25 +107,40 @@ def measure_peak_memory(impl: str, seq_len: int, *, mode: str = "fwd", causal: b
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return PeakMemory(impl, seq_len, mode, causal, float("nan"), float("nan"), ok=False, error=last)
+        return PeakMemory(impl, shape.seq_len, mode, shape.causal, float("nan"), float("nan"), ok=False,
+                          error=last)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return PeakMemory(impl, seq_len, mode, causal, result["baseline_mib"], result["peak_mib"])
+    return PeakMemory(impl, shape.seq_len, mode, shape.causal, result["baseline_mib"], result["peak_mib"])
+
+
+def measure_peak_memory(impl: str, seq_len: int, *, mode: str = "fwd", causal: bool = False, batch: int = 1,
+                        heads: int = 4, kv_heads: int | None = None, head_dim: int = 64,
+                        dtype: str = "float32", kv_len: int | None = None, options: dict | None = None,
+                        timeout: float = 600.0) -> PeakMemory:
+    """:func:`measure_shape` for the :class:`~tpuattn.measure.workload.Shape` these sizes describe."""
+    shape = Shape(seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                  dtype=dtype, causal=causal, kv_len=kv_len)
+    return measure_shape(impl, shape, mode, options, timeout)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impl", required=True)
     parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--kv-len", type=int, default=None, help="default: --seq-len")
     parser.add_argument("--mode", choices=MODES, default="fwd")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=0)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--options", default="")
+    parser.add_argument("--options", default="", help="JSON options for the implementation")
     args = parser.parse_args(argv)
-    print(json.dumps(_child(args)))
+    shape = Shape(seq_len=args.seq_len, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+                  head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, kv_len=args.kv_len)
+    options = json.loads(args.options) if args.options else {}
+    print(json.dumps(_child(args.impl, shape, args.mode, options)))
 
 
 if __name__ == "__main__":

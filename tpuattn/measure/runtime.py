@@ -26,11 +26,9 @@ class PlatformInfo:
         """How Pallas TPU kernels run here: compiled on a TPU, interpreted elsewhere."""
         return "compiled" if self.on_tpu else "interpret"
 
-    def label(self, *, interpret: bool | None = None) -> str:
+    def label(self, *, interpret: bool = False) -> str:
         """A short label for numbers and figures, e.g. ``"cpu (interpret)"`` or ``"TPU v5 lite"``."""
         kind = self.device_kind if self.backend != "cpu" else "cpu"
-        if interpret is None:
-            interpret = False
         return f"{kind} (interpret)" if interpret and not self.on_tpu else kind
 
     def summary(self) -> str:
@@ -52,14 +50,3 @@ def info() -> PlatformInfo:
         device_count=jax.device_count(),
     )
 
-
-def jax_version_tuple(version: str | None = None) -> tuple[int, int, int]:
-    """``"0.7.2"`` -> ``(0, 7, 2)``; ignores suffixes such as ``.dev``."""
-    parts = (version or jax.__version__).split(".")[:3]
-    out = []
-    for part in parts:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        out.append(int(digits or 0))
-    while len(out) < 3:
-        out.append(0)
-    return tuple(out)

@@ -1,47 +1,48 @@
-"""A roofline model of attention on TPUs: chip specifications, FLOPs and HBM bytes per schedule.
+"""A roofline model of attention on TPUs: chips, FLOPs and HBM bytes per schedule.
 
 Everything here is *modelled*, never measured: it says what a chip could do at best for a
-given implementation's schedule, so that a measurement (``tpuattn.bench``) can be read as a
-fraction of that bound.
+given implementation's schedule, so that a measurement (:mod:`tpuattn.measure.bench`) can be read
+as a fraction of that bound. The model reads its constants from the code it models: chip numbers
+from :mod:`tpuattn.chips`, each implementation's schedule and default blocks from its registry
+record, the Pallas kernel's VMEM need and budget from :mod:`tpuattn.pallas.blocks`.
 
-**Chips.** :func:`chip_spec` returns peak bf16 FLOP/s, HBM bandwidth and capacity and VMEM
-per TensorCore for v4, v5e, v5p and v6e. Where the installed JAX has
-``pltpu.get_tpu_info_for_chip`` (JAX >= 0.8.1) its numbers are used; otherwise the table
-:data:`PUBLISHED`, taken from Google Cloud's TPU pages, is. Both are per *chip* here (JAX
-reports per TensorCore; v4 and v5p chips have two TensorCores that act as one device,
-"megacore"). VMEM stays per TensorCore because a kernel's working set lives in one core.
+**Chips.** :func:`chip_spec` gives one JAX *device* of a chip: peak bf16 FLOP/s, HBM bandwidth
+and capacity, and VMEM per TensorCore. A device is a whole chip on the megacore v4 and v5p and
+one TensorCore on v2, v3 and tpu7x (:meth:`tpuattn.chips.Chip.per_device`). The numbers are
+:data:`tpuattn.chips.CHIPS` (JAX's own ``tpu_info`` table, kept in the package so every JAX
+version gets the same numbers); ``source="jax"`` reads ``pltpu.get_tpu_info_for_chip`` instead,
+where the installed JAX has it (>= 0.8.1).
 
 **f32.** The MXU multiplies bf16. A float32 matmul at ``Precision.HIGHEST`` (what every
 implementation here uses for f32 inputs) is emulated with 6 bf16 passes
 (``jax.lax.Precision`` docstring: "performs float32 computations in 6 bfloat16 passes"), so
 the model takes f32 peak = bf16 peak / 6. That is a *modelled* number, not a published one.
 
-**Schedules.** :func:`cost` counts the FLOPs the schedule executes and the HBM bytes it
-moves, for ``mode="fwd"`` or ``"fwd+bwd"``:
+**Schedules.** :func:`cost` counts the FLOPs a schedule executes and the HBM bytes it moves, for
+``mode="fwd"`` or ``"fwd+bwd"``; an implementation's record names its schedule:
 
-* ``reference`` and ``xla`` *materialise* the ``[batch, heads, q_len, kv_len]`` score
-  matrix in float32 and run the softmax in separate passes over HBM (listed in
-  :data:`MATERIALISED_FWD_PASSES` and :data:`MATERIALISED_BWD_PASSES`). Masks do not save
-  work: every score is computed.
-* ``pallas`` and ``splash`` follow the *flash block schedule*: a ``q_block`` of queries stays
-  in VMEM while K/V blocks stream past it, so K and V are re-read once per query block;
-  scores never reach HBM; tiles that :meth:`MaskSpec.block_map` marks EMPTY are skipped
-  (neither fetched nor computed). The backward pass is two kernels (dK/dV, then dQ), as in
-  JAX's flash and splash kernels, unless ``fused_backward=True``.
-* ``blockwise`` (pure JAX online softmax) visits the same tiles, but XLA keeps a loop's
-  intermediates in HBM: each visited tile's f32 score block and the running
-  ``(acc, max, sum)`` state make a round trip through HBM.
+* ``"materialised"``: the ``[batch, heads, q_len, kv_len]`` score matrix is written to HBM in
+  float32 and the softmax runs in separate passes over it (:data:`MATERIALISED_FWD_PASSES`,
+  :data:`MATERIALISED_BWD_PASSES`). Masks do not save work: every score is computed.
+* ``"flash"``: a ``q_block`` of queries stays in VMEM while K/V blocks stream past it, so K and
+  V are re-read once per query block; scores never reach HBM; tiles that
+  :meth:`MaskSpec.block_map` marks EMPTY are skipped (neither fetched nor computed). The backward
+  pass is two kernels (dK/dV, then dQ), as in JAX's flash and splash kernels, unless
+  ``fused_backward=True``.
+* ``"blockwise (XLA loop)"``: the same tiles in a pure-JAX loop, but XLA keeps a loop's
+  intermediates in HBM: each visited tile's f32 score block and the running ``(acc, max, sum)``
+  state make a round trip through HBM.
 
-The predicted time is the lower bound ``max(flops / peak, bytes / bandwidth)``
-(:func:`predict`). It ignores the vector unit (``exp``, max, scaling), which on TPUs can be
-the real limit for ``head_dim <= 128``, pipeline bubbles and launch overhead; measured times
-are therefore expected above it.
+The predicted time is the lower bound ``max(flops / peak, bytes / bandwidth)`` (:func:`predict`).
+It ignores the vector unit (``exp``, max, scaling), which on TPUs can be the real limit for
+``head_dim <= 128``, pipeline bubbles and launch overhead; measured times are therefore expected
+above it.
 
-**Crossovers.** :func:`materialise_crossover` is the sequence length at which the
-materialised schedule's score buffers stop fitting in HBM; :func:`vmem_crossover` is the
-length at which a fused kernel that holds a whole row block of scores (no online softmax)
-stops fitting in one core's VMEM. The flash schedule has no such length: its VMEM working
-set depends on the block sizes only.
+**Crossovers.** :func:`materialise_crossover` is the sequence length at which the materialised
+schedule's score buffers stop fitting in HBM; :func:`vmem_crossover` is the length at which a
+fused kernel that holds a whole row block of scores (no online softmax) stops fitting in the VMEM
+a kernel is given (:func:`tpuattn.pallas.blocks.vmem_budget_bytes`). The flash schedule has no such
+length: its VMEM working set depends on the block sizes only.
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ import math
 
 import numpy as np
 
-from tpuattn.spec import EMPTY, MaskSpec
+from tpuattn import api, chips
+from tpuattn._checks import positive_int
+from tpuattn.measure.flops import FORWARD_FLOPS_PER_SCORE, MODES, attention_flops, check_mode
+from tpuattn.pallas.blocks import backward_vmem_bytes, forward_vmem_bytes, vmem_budget_bytes
+from tpuattn.pallas.layout import padded_head_dim
+from tpuattn.spec import EMPTY, MaskSpec, spec_from_shapes
 
 GIB = 1024**3
 MIB = 1024**2
@@ -60,20 +66,25 @@ MIB = 1024**2
 # f32 matmuls at Precision.HIGHEST run as 6 bf16 MXU passes (jax.lax.Precision docstring).
 F32_PASSES = 6
 
-MODES = ("fwd", "fwd+bwd")
+SCHEDULES = ("materialised", "flash", "blockwise (XLA loop)")
+SOURCES = ("table", "jax")
+
+__all__ = ["F32_PASSES", "GIB", "MIB", "MODES", "SCHEDULES", "SOURCES", "ChipSpec", "Cost", "Prediction",
+           "chip_spec", "cost", "default_blocks", "jax_has_tpu_info", "materialise_crossover", "models",
+           "predict", "problem", "roofline_curve", "standard_flops", "visited_tiles", "vmem_crossover"]
 
 
 # ----------------------------------------------------------------------------- chips
 @dataclasses.dataclass(frozen=True)
 class ChipSpec:
-    """Peak numbers of one TPU chip (a device; megacore chips count both TensorCores)."""
+    """Peak numbers of one JAX device of a TPU chip (:meth:`tpuattn.chips.Chip.per_device`)."""
 
     name: str  # "v5e"
-    bf16_flops: float  # FLOP/s per chip, dense bf16 matmul
-    hbm_bandwidth: float  # bytes/s per chip
-    hbm_capacity: float  # bytes per chip
+    bf16_flops: float  # FLOP/s per device, dense bf16 matmul
+    hbm_bandwidth: float  # bytes/s per device
+    hbm_capacity: float  # bytes per device
     vmem_bytes: int  # per TensorCore
-    tensor_cores: int  # per device (2 for megacore v4/v5p)
+    tensor_cores: int  # per device (2 for the megacore v4 and v5p)
     source: str  # where the numbers come from
 
     @property
@@ -81,120 +92,86 @@ class ChipSpec:
         """Modelled: f32 matmul at Precision.HIGHEST = 6 bf16 passes."""
         return self.bf16_flops / F32_PASSES
 
+    @property
+    def vmem_budget_bytes(self) -> int:
+        """The VMEM a kernel is given: the budget the Pallas kernel's default blocks fit in."""
+        return vmem_budget_bytes(self.vmem_bytes)
+
     def peak_flops(self, dtype) -> float:
         """bf16/f16 inputs run at bf16 peak; f32 at the modelled :attr:`f32_flops`."""
-        name = _dtype_name(dtype)
-        return self.f32_flops if name == "float32" else self.bf16_flops
+        return self.f32_flops if _dtype_name(dtype) == "float32" else self.bf16_flops
 
     def ridge_point(self, dtype="bfloat16") -> float:
         """Arithmetic intensity (FLOP/byte) above which a kernel is compute bound."""
         return self.peak_flops(dtype) / self.hbm_bandwidth
 
 
-# Published per-chip numbers. Sources (Google Cloud TPU system architecture pages):
-#   v4  https://cloud.google.com/tpu/docs/v4   275 TFLOP/s bf16, 32 GiB HBM2, 1200 GB/s; 2 TensorCores
-#   v5e https://cloud.google.com/tpu/docs/v5e  197 TFLOP/s bf16, 16 GB HBM2, 819 GB/s; 1 TensorCore
-#   v5p https://cloud.google.com/tpu/docs/v5p  459 TFLOP/s bf16, 95 GB HBM2e, 2765 GB/s; 2 TensorCores
-#   v6e https://cloud.google.com/tpu/docs/v6e  918 TFLOP/s bf16, 32 GB HBM, 1638 GB/s; 1 TensorCore
-# VMEM is not on those pages; it comes from JAX's jax/_src/pallas/mosaic/tpu_info.py (0.10.2), also
-# rendered at https://docs.jax.dev/en/latest/pallas/tpu/hardware.html: v4 16 MiB, v5e 128 MiB,
-# v5p 64 MiB, v6e 128 MiB per TensorCore. "16 GB" for v5e is 16 GiB (JAX: 17.2e9 bytes).
-PUBLISHED: dict[str, ChipSpec] = {
-    "v4": ChipSpec("v4", 275e12, 1200e9, 32 * GIB, 16 * MIB, 2, "Google Cloud TPU docs (v4)"),
-    "v5e": ChipSpec("v5e", 197e12, 819e9, 16 * GIB, 128 * MIB, 1, "Google Cloud TPU docs (v5e)"),
-    "v5p": ChipSpec("v5p", 459e12, 2765e9, 95e9, 64 * MIB, 2, "Google Cloud TPU docs (v5p)"),
-    "v6e": ChipSpec("v6e", 918e12, 1638e9, 32e9, 128 * MIB, 1, "Google Cloud TPU docs (v6e)"),
-}
-CHIPS = tuple(PUBLISHED)
-
-# pltpu.ChipVersion member and TensorCores per device for each chip.
-_JAX_CHIP = {"v4": ("TPU_V4", 2), "v5e": ("TPU_V5E", 1), "v5p": ("TPU_V5P", 2), "v6e": ("TPU_V6E", 1)}
-
-# jax.Device.device_kind -> chip name (as in JAX's chip_version_from_device_kind).
-_DEVICE_KINDS = {
-    "TPU v4": "v4",
-    "TPU v5 lite": "v5e", "TPU v5e": "v5e",
-    "TPU v5": "v5p", "TPU v5p": "v5p",
-    "TPU v6 lite": "v6e", "TPU v6e": "v6e",
-}
-
-
 def jax_has_tpu_info() -> bool:
     """True when the installed JAX has ``pltpu.get_tpu_info_for_chip`` (JAX >= 0.8.1)."""
-    try:
-        from jax.experimental.pallas import tpu as pltpu
-    except ImportError:  # pragma: no cover - Pallas always ships with JAX >= 0.7
-        return False
+    from jax.experimental.pallas import tpu as pltpu
+
     return hasattr(pltpu, "get_tpu_info_for_chip") and hasattr(pltpu, "ChipVersion")
 
 
-def _from_jax(name: str) -> ChipSpec:
+def _from_table(chip: chips.Chip) -> ChipSpec:
+    device = chip.per_device()
+    return ChipSpec(name=chip.name, bf16_flops=device["bf16_flops"], hbm_bandwidth=device["hbm_bandwidth"],
+                    hbm_capacity=device["hbm_bytes"], vmem_bytes=chip.vmem_bytes,
+                    tensor_cores=chip.cores_per_device, source="tpuattn.chips (JAX's tpu_info table)")
+
+
+def _from_jax(chip: chips.Chip) -> ChipSpec:
+    import jax
     from jax.experimental.pallas import tpu as pltpu
 
-    member, cores = _JAX_CHIP[name]
-    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, member), cores)
-    # TpuInfo is per TensorCore: scale FLOP/s, bandwidth and capacity to the device.
-    n = info.num_cores
-    import jax
+    # ChipVersion values are the names without "tpu" ("v5e", "7x"); TpuInfo is per TensorCore.
+    info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip.name.removeprefix("tpu")),
+                                       chip.cores_per_device)
+    cores = info.num_cores
+    return ChipSpec(name=chip.name, bf16_flops=float(info.bf16_ops_per_second) * cores,
+                    hbm_bandwidth=float(info.mem_bw_bytes_per_second) * cores,
+                    hbm_capacity=float(info.hbm_capacity_bytes) * cores,
+                    vmem_bytes=int(info.vmem_capacity_bytes), tensor_cores=cores,
+                    source=f"pltpu.get_tpu_info_for_chip (JAX {jax.__version__})")
 
-    return ChipSpec(name=name, bf16_flops=float(info.bf16_ops_per_second) * n,
-                    hbm_bandwidth=float(info.mem_bw_bytes_per_second) * n,
-                    hbm_capacity=float(info.hbm_capacity_bytes) * n, vmem_bytes=int(info.vmem_capacity_bytes),
-                    tensor_cores=n, source=f"pltpu.get_tpu_info_for_chip (JAX {jax.__version__})")
 
+def chip_spec(name, *, source: str = "table") -> ChipSpec:
+    """The :class:`ChipSpec` of one device of ``name``: a chip name (``"v5e"``), a device kind
+    (``"TPU v5 lite"``) or a :class:`tpuattn.chips.Chip`.
 
-def chip_spec(name: str, *, source: str = "auto") -> ChipSpec:
-    """The :class:`ChipSpec` for ``name`` (``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"`` or a device kind).
-
-    ``source``: ``"auto"`` uses JAX's ``get_tpu_info_for_chip`` where the installed JAX has it
-    and the published table otherwise; ``"jax"`` insists on JAX; ``"published"`` uses the table.
+    ``source``: ``"table"`` (:data:`tpuattn.chips.CHIPS`) or ``"jax"`` (JAX's
+    ``get_tpu_info_for_chip``, JAX >= 0.8.1; the same numbers).
     """
-    if not isinstance(name, str):
-        raise ValueError(f"name: expected a chip name in {list(CHIPS)} or a TPU device kind, got {name!r}")
-    key = _DEVICE_KINDS.get(name, name.lower())
-    if key not in PUBLISHED:
-        raise ValueError(f"name: expected a chip name in {list(CHIPS)} or a TPU device kind, got {name!r}")
-    if source not in ("auto", "jax", "published"):
-        raise ValueError(f"source: expected 'auto', 'jax' or 'published', got {source!r}")
-    if source == "published" or (source == "auto" and not jax_has_tpu_info()):
-        return PUBLISHED[key]
+    chip = name if isinstance(name, chips.Chip) else chips.get(name)
+    if source not in SOURCES:
+        raise ValueError(f"source: expected one of {list(SOURCES)}, got {source!r}")
+    if source == "table":
+        return _from_table(chip)
     if not jax_has_tpu_info():
-        raise ValueError("source: 'jax' needs pltpu.get_tpu_info_for_chip (JAX >= 0.8.1); "
-                         "use source='published'")
-    return _from_jax(key)
+        raise ValueError("source: 'jax' needs pltpu.get_tpu_info_for_chip (JAX >= 0.8.1); use source='table'")
+    return _from_jax(chip)
 
 
-def chip_for_device_kind(device_kind: str) -> str | None:
-    """``"TPU v5 lite"`` -> ``"v5e"``; None for anything that is not a modelled TPU."""
-    return _DEVICE_KINDS.get(device_kind)
+def _as_chip_spec(chip) -> ChipSpec:
+    return chip if isinstance(chip, ChipSpec) else chip_spec(chip)
 
 
 # ----------------------------------------------------------------------------- problems
 def problem(seq_len: int, *, batch: int = 1, heads: int = 8, kv_heads: int | None = None, head_dim: int = 128,
             dtype="bfloat16", causal: bool = False, kv_len: int | None = None, window=None):
-    """An :class:`tpuattn.AttentionSpec` for a modelled problem (no arrays needed)."""
-    import jax.numpy as jnp
-
-    from tpuattn.api import AttentionSpec
-
+    """The :class:`tpuattn.AttentionSpec` of a modelled problem (no arrays needed), built by
+    :func:`tpuattn.spec.spec_from_shapes`; ``window`` as in :func:`tpuattn.attention`."""
     kv_heads = heads if kv_heads is None else kv_heads
-    kv_len = seq_len if kv_len is None else kv_len
-    for arg, value in (("seq_len", seq_len), ("kv_len", kv_len), ("batch", batch), ("heads", heads),
-                       ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"{arg}: expected a positive int, got {value!r}")
+    for arg, value in (("seq_len", seq_len), ("heads", heads), ("kv_heads", kv_heads)):
+        positive_int(arg, value)
     if heads % kv_heads:
         raise ValueError(f"heads: expected a multiple of kv_heads={kv_heads}, got {heads}")
-    return AttentionSpec(batch=int(batch), q_len=int(seq_len), kv_len=int(kv_len), num_q_heads=int(heads),
-                         num_kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=jnp.dtype(dtype),
-                         scale=1.0 / math.sqrt(head_dim), softcap=None,
-                         mask=MaskSpec(int(seq_len), int(kv_len), causal=bool(causal), window=window))
+    return spec_from_shapes(seq_len, kv_len, batch=batch, num_q_heads=heads, num_kv_heads=kv_heads,
+                            head_dim=head_dim, dtype=dtype, causal=causal, window=window)
 
 
 def standard_flops(spec, mode: str = "fwd") -> float:
-    """The conventional count: 4·B·H·Tq·Tk·D, x0.5 causal, x3.5 for fwd+bwd (see tpuattn.bench)."""
-    from tpuattn.measure.bench import attention_flops
-
+    """The conventional count of :mod:`tpuattn.measure.flops` (what a benchmark reports) for ``spec``."""
     return attention_flops(batch=spec.batch, heads=spec.num_q_heads, q_len=spec.q_len, kv_len=spec.kv_len,
                            head_dim=spec.head_dim, causal=spec.causal, mode=mode)
 
@@ -240,18 +217,11 @@ MATERIALISED_BWD_PASSES = (
     ("dQ = dS K, dK = dS^T Q: read dS twice", lambda p: 8),
 )
 
-MODELS = {
-    "reference": "materialised",
-    "xla": "materialised",
-    "blockwise": "blockwise (XLA loop)",
-    "pallas": "flash",
-    "splash": "flash",
-}
-DEFAULT_BLOCKS = {  # (q_block, kv_block) the model assumes unless told otherwise
-    "blockwise": (512, 512),
-    "pallas": (128, 128),
-    "splash": (128, 128),  # BlockSizes.get_default() in JAX's splash kernel
-}
+
+def models() -> dict[str, str]:
+    """``{implementation: schedule}`` for every registered implementation whose record names a schedule."""
+    return {name: api.get_implementation(name).schedule for name in api.known_implementations()
+            if api.get_implementation(name).schedule is not None}
 
 
 def _dtype_name(dtype) -> str:
@@ -264,11 +234,6 @@ def _itemsize(dtype) -> int:
     import jax.numpy as jnp
 
     return jnp.dtype(dtype).itemsize
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
 def _io_bytes(spec) -> tuple[float, float, float]:
@@ -284,7 +249,7 @@ def _materialised(impl: str, spec, mode: str) -> Cost:
     p = e  # P is cast to v's dtype; 4 bytes when v is f32
     n = spec.batch * spec.num_q_heads * spec.q_len * spec.kv_len  # score elements
     d = spec.head_dim
-    flops = 4.0 * n * d  # QK^T and PV over every pair: masks do not skip work here
+    flops = float(FORWARD_FLOPS_PER_SCORE) * n * d  # QK^T and PV over every pair: masks skip no work
     breakdown = [("read Q, K, V", q_bytes + 2 * kv_bytes), ("write O", q_bytes)]
     breakdown += [(name, per(p) * n) for name, per in MATERIALISED_FWD_PASSES]
     peak = (4 + p) * n  # S and P alive together in the normalise pass
@@ -314,9 +279,8 @@ def visited_tiles(spec, q_block: int, kv_block: int) -> tuple[int, int]:
 
 
 def _check_blocks(q_block, kv_block) -> None:
-    for name, value in (("q_block", q_block), ("kv_block", kv_block)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    positive_int("q_block", q_block)
+    positive_int("kv_block", kv_block)
 
 
 def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backward: bool) -> Cost:
@@ -325,7 +289,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     d = spec.head_dim
     visited, nq, nk, _ = _visited_tiles(spec.mask, q_block, kv_block)
     heads = spec.batch * spec.num_q_heads  # the grid runs over (batch, q head, q block, kv block)
-    tile_flops = 4.0 * q_block * kv_block * d  # QK^T and PV of one tile
+    tile_flops = float(FORWARD_FLOPS_PER_SCORE) * q_block * kv_block * d  # QK^T and PV of one tile
     q_tile, kv_tile = q_block * d * e, kv_block * d * e
     # Forward: Q_i read once per q block (it stays in VMEM over the kv loop), K_j and V_j read
     # for every visited tile (GQA: once per q head, the kernel does not share them across the
@@ -336,11 +300,10 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
         ("write O and logsumexp", heads * nq * (q_tile + 4 * q_block)),
     ]
     flops = heads * visited * tile_flops
-    # VMEM: double-buffered Q, K, V, O blocks; f32 acc, running max and sum (lane-padded to
-    # 128); one f32 score tile and its P.
-    vmem = (2 * (2 * q_tile + 2 * kv_tile) + q_block * d * 4 + 2 * q_block * 128 * 4
-            + 2 * q_block * kv_block * 4)
+    # VMEM of one grid step: the Pallas kernel's own accounting (head_dim padded to the lanes).
+    vmem = forward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e)
     if mode == "fwd+bwd":
+        vmem = max(vmem, backward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e))
         breakdown.append(("bwd: delta = rowsum(dO * O): read O, dO; write delta",
                           heads * nq * (2 * q_tile + 4 * q_block)))
         if fused_backward:
@@ -417,7 +380,7 @@ def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int) -> Cost:
     q_heads, kv_heads = spec.batch * spec.num_q_heads, spec.batch * spec.num_kv_heads
     q_tile, kv_tile = q_block * d * e, kv_block * d * e
     scores = q_heads * visited * q_block * kv_block
-    flops = q_heads * visited * 4.0 * q_block * kv_block * d
+    flops = q_heads * visited * float(FORWARD_FLOPS_PER_SCORE) * q_block * kv_block * d
     state = q_block * d * 4 + 2 * q_block * 4  # acc, max, sum of one q block (f32)
     breakdown = [
         ("read K, V (once per step, per kv head)", kv_heads * steps * 2 * kv_tile),
@@ -448,42 +411,35 @@ def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int) -> Cost:
 
 
 def default_blocks(impl: str, spec, chip: ChipSpec | None = None) -> tuple[int, int]:
-    """The (q_block, kv_block) the model assumes for ``impl``: the implementation's own default
-    where the package has one (blockwise: by length; pallas: by the chip's VMEM), else
-    :data:`DEFAULT_BLOCKS`."""
-    try:
-        if impl == "blockwise":
-            from tpuattn.impl.blockwise import default_blocks as blockwise_default
-
-            return tuple(blockwise_default(spec.q_len, spec.kv_len))
-        if impl == "pallas" and chip is not None:
-            from tpuattn.pallas.blocks import default_block_sizes
-
-            forward = default_block_sizes(spec.head_dim, spec.dtype, vmem_bytes=chip.vmem_bytes).forward
-            return forward.block_q, forward.block_kv
-    except Exception:  # noqa: BLE001 - an implementation being rewritten must not break the model
-        pass
-    return DEFAULT_BLOCKS[impl]
+    """The ``(q_block, kv_block)`` ``impl`` runs by default for ``spec`` (its record's
+    ``default_blocks``), on ``chip`` (its VMEM; ``None``: this machine's)."""
+    record = api.get_implementation(impl)
+    if record.default_blocks is None:
+        raise ValueError(f"q_block, kv_block: {impl!r} registers no default blocks; pass both")
+    return tuple(record.default_blocks(spec, None if chip is None else chip.vmem_bytes))
 
 
 def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_block: int | None = None,
          fused_backward: bool = False, chip: ChipSpec | None = None) -> Cost:
-    """FLOPs and HBM bytes of ``impl``'s schedule for ``spec`` (an :class:`AttentionSpec`).
+    """FLOPs and HBM bytes of ``impl``'s schedule (its record's ``schedule``) for ``spec``.
 
-    Blocks default to :func:`default_blocks` (``chip`` picks the Pallas kernel's defaults).
+    Blocks default to :func:`default_blocks` (``chip`` sizes them, as it sizes the kernel's).
     """
-    _check_mode(mode)
-    if impl not in MODELS:
-        raise ValueError(f"impl: expected one of {sorted(MODELS)} (modelled schedules), got {impl!r}")
-    schedule = MODELS[impl]
+    check_mode(mode)
+    schedule = api.get_implementation(impl).schedule
+    if schedule is None:
+        raise ValueError(f"impl: expected one of {sorted(models())} (modelled schedules), got {impl!r}")
     if schedule == "materialised":
         return _materialised(impl, spec, mode)
-    default_q, default_kv = default_blocks(impl, spec, chip)
-    q_block = default_q if q_block is None else q_block
-    kv_block = default_kv if kv_block is None else kv_block
+    if q_block is None or kv_block is None:
+        default_q, default_kv = default_blocks(impl, spec, chip)
+        q_block = default_q if q_block is None else q_block
+        kv_block = default_kv if kv_block is None else kv_block
     if schedule == "flash":
         return _flash(impl, spec, mode, q_block, kv_block, fused_backward)
-    return _blockwise(impl, spec, mode, q_block, kv_block)
+    if schedule == "blockwise (XLA loop)":
+        return _blockwise(impl, spec, mode, q_block, kv_block)
+    raise ValueError(f"{impl}: its record's schedule {schedule!r} is not one of {list(SCHEDULES)}")
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -510,7 +466,8 @@ class Prediction:
 
     @property
     def fits_vmem(self) -> bool:
-        return self.cost.vmem_bytes <= self.chip.vmem_bytes
+        """Within the VMEM a kernel is given (:attr:`ChipSpec.vmem_budget_bytes`)."""
+        return self.cost.vmem_bytes <= self.chip.vmem_budget_bytes
 
     @property
     def standard_tflops(self) -> float:
@@ -528,7 +485,7 @@ class Prediction:
 
 def predict(impl: str, spec, chip, mode: str = "fwd", **schedule) -> Prediction:
     """Lower-bound time ``max(flops / peak, bytes / bandwidth)`` of ``impl`` on ``chip``."""
-    chip = chip if isinstance(chip, ChipSpec) else chip_spec(chip)
+    chip = _as_chip_spec(chip)
     c = cost(impl, spec, mode, chip=chip, **schedule)
     return Prediction(cost=c, chip=chip, compute_s=c.flops / chip.peak_flops(spec.dtype),
                       memory_s=c.hbm_bytes / chip.hbm_bandwidth)
@@ -541,12 +498,12 @@ def materialise_crossover(chip, *, batch: int = 1, heads: int = 8, kv_heads: int
     The live set grows as ``c2 * T^2 + c1 * T`` (score buffers plus inputs and outputs); this
     solves ``c2 * T^2 + c1 * T > capacity`` exactly.
     """
-    chip = chip if isinstance(chip, ChipSpec) else chip_spec(chip)
-    _check_mode(mode)
+    chip = _as_chip_spec(chip)
+    check_mode(mode)
 
     def peak(t: int) -> float:
         spec = problem(t, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-        return _materialised("reference", spec, mode).peak_hbm_bytes
+        return _materialised("materialised", spec, mode).peak_hbm_bytes
 
     c1 = peak(1) - (peak(2) - 2 * peak(1)) / 2  # from peak(t) = c2 t^2 + c1 t
     c2 = (peak(2) - 2 * peak(1)) / 2
@@ -559,21 +516,23 @@ def materialise_crossover(chip, *, batch: int = 1, heads: int = 8, kv_heads: int
 
 
 def vmem_crossover(chip, *, q_block: int = 128, head_dim: int = 128, dtype="bfloat16") -> int:
-    """Smallest kv length at which a fused kernel holding whole score rows no longer fits VMEM.
+    """Smallest kv length at which a fused kernel holding whole score rows no longer fits the VMEM
+    a kernel is given (:attr:`ChipSpec.vmem_budget_bytes`).
 
     Such a kernel (softmax without the online rescaling) keeps, per core, a row block of
     scores ``[q_block, T]`` in f32 plus the whole K and V ``[T, head_dim]`` of one head.
     """
-    chip = chip if isinstance(chip, ChipSpec) else chip_spec(chip)
-    _check_blocks(q_block, head_dim)
+    chip = _as_chip_spec(chip)
+    positive_int("q_block", q_block)
+    positive_int("head_dim", head_dim)
     e = _itemsize(dtype)
     fixed = 2 * q_block * head_dim * e + q_block * head_dim * 4  # Q and O blocks, f32 accumulator
     per_token = q_block * 4 + 2 * head_dim * e
-    return (chip.vmem_bytes - fixed) // per_token + 1
+    return (chip.vmem_budget_bytes - fixed) // per_token + 1
 
 
 def roofline_curve(chip, intensities, dtype="bfloat16") -> np.ndarray:
     """Attainable FLOP/s ``min(peak, intensity * bandwidth)`` for an array of intensities."""
-    chip = chip if isinstance(chip, ChipSpec) else chip_spec(chip)
+    chip = _as_chip_spec(chip)
     intensities = np.asarray(intensities, dtype=np.float64)
     return np.minimum(chip.peak_flops(dtype), intensities * chip.hbm_bandwidth)

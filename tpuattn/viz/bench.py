@@ -1,9 +1,11 @@
-"""Figures for :mod:`tpuattn.bench` results and :mod:`tpuattn.roofline` models (needs matplotlib).
+"""Figures for :mod:`tpuattn.measure.bench` results and :mod:`tpuattn.model.roofline` models.
 
 Every title says where its numbers come from: ``"<device>, measured"`` (from the results'
 environment, so a JSON from another machine is labelled with that machine) or ``"modelled"``.
 Rows measured in Pallas interpret mode are drawn dashed in time plots and left out of TFLOP/s
-plots: they are not kernel speed.
+plots: they are not kernel speed. Each implementation has its colour
+(:func:`tpuattn.viz.style.impl_colour`); causal rows use triangles. Needs matplotlib, imported
+only when drawing (the bench's command line imports this module).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from tpuattn.measure.bench import TIMING_INTERPRET, BenchResults
+from tpuattn.measure.flops import MODES
 
 
 def measured_label(results: BenchResults) -> str:
@@ -42,14 +45,6 @@ def _name(key) -> str:
     return f"{impl}{' causal' if causal else ''} {dtype}{' (interpret)' if interpreted else ''}"
 
 
-# One colour per implementation in every figure; causal rows use triangles, interpreted rows dashes.
-COLORS = {"reference": "C0", "xla": "C1", "blockwise": "C2", "pallas": "C3", "splash": "C4"}
-
-
-def _color(impl: str) -> str:
-    return COLORS.get(impl, f"C{5 + sum(map(ord, impl)) % 5}")
-
-
 def _plain_log_ticks(axis) -> None:
     from matplotlib.ticker import FormatStrFormatter
 
@@ -58,9 +53,11 @@ def _plain_log_ticks(axis) -> None:
 
 
 def _draw(ax, series, *, scale: float = 1.0) -> None:
+    from tpuattn.viz.style import impl_colour
+
     for key, (xs, ys) in series.items():
         ax.plot(xs, np.asarray(ys) * scale, marker="^" if key[1] else "o", linestyle="--" if key[3] else "-",
-                color=_color(key[0]), label=_name(key))
+                color=impl_colour(key[0]), label=_name(key))
     ax.set_xscale("log", base=2)
     ticks = sorted({x for xs, _ in series.values() for x in xs})
     if ticks:
@@ -104,7 +101,7 @@ def plot_memory(results: BenchResults, ax, mode: str = "fwd", value: str | None 
 
 
 def _modes(results: BenchResults) -> list[str]:
-    return [m for m in ("fwd", "fwd+bwd") if any(r["mode"] == m for r in results.rows)]
+    return [m for m in MODES if any(r["mode"] == m for r in results.rows)]
 
 
 def figure(results: BenchResults, kind: str):
@@ -139,11 +136,12 @@ def save_figures(results: BenchResults, out_dir, prefix: str = "bench") -> list[
 def plot_roofline(ax, chip, predictions=(), *, dtype="bfloat16", measured=()) -> None:
     """The roofline of ``chip`` (log-log) with modelled points and, optionally, measured ones.
 
-    ``predictions``: :class:`tpuattn.roofline.Prediction` objects, drawn at their arithmetic
+    ``predictions``: :class:`tpuattn.model.roofline.Prediction` objects, drawn at their arithmetic
     intensity and attainable FLOP/s (executed FLOPs / predicted time). ``measured``: tuples
     ``(label, intensity, flops_per_s)`` from a real run on this chip.
     """
     from tpuattn.model import roofline
+    from tpuattn.viz.style import impl_colour
 
     chip = chip if isinstance(chip, roofline.ChipSpec) else roofline.chip_spec(chip)
     predictions = list(predictions)
@@ -153,18 +151,18 @@ def plot_roofline(ax, chip, predictions=(), *, dtype="bfloat16", measured=()) ->
     ax.axvline(ridge, color="k", lw=0.5, ls=":")
     ax.text(ridge, chip.peak_flops(dtype) / 1e12 * 1.15, f"ridge {ridge:.0f} FLOP/B", fontsize="x-small",
             ha="center")
-    markers = {"materialised": "s", "flash": "o", "blockwise (XLA loop)": "^"}
+    markers = dict(zip(roofline.SCHEDULES, "so^", strict=True))
     for i, pred in enumerate(predictions):
         attained = pred.cost.flops / pred.time_s / 1e12
         # Implementations with the same schedule land on the same point: draw later ones smaller.
         same = sum(np.isclose(p.cost.intensity, pred.cost.intensity) for p in predictions[:i])
         ax.scatter(pred.cost.intensity, attained, marker=markers.get(pred.cost.schedule, "o"),
-                   zorder=3 + same, s=70 / (1 + 2 * same), color=_color(pred.cost.impl),
+                   zorder=3 + same, s=70 / (1 + 2 * same), color=impl_colour(pred.cost.impl),
                    label=f"{pred.cost.impl} {pred.cost.mode} ({pred.bound})")
     for label, intensity, flops in measured:
         ax.scatter(intensity, flops / 1e12, marker="*", s=90, zorder=4, label=f"{label} (measured)")
     ax.set_xlabel("arithmetic intensity (FLOP / HBM byte)")
     ax.set_ylabel(f"attainable TFLOP/s ({dtype})")
-    ax.set_title(f"TPU {chip.name} roofline (modelled; {chip.source})", fontsize="small")
+    ax.set_title(f"TPU {chip.name} roofline, one device (modelled; {chip.source})", fontsize="small")
     if predictions or measured:
         ax.legend(fontsize="x-small")

@@ -4,8 +4,8 @@ Every figure says which backend produced its numbers and whether they were measu
 
     fig, ax = plt.subplots()
     ...
-    ax.set_title(plots.labelled("Peak memory vs sequence length", measured=True))
-    plots.save_figure(fig, "01_memory")          # -> figures/01_memory.png
+    ax.set_title(style.labelled("Peak memory vs sequence length", measured=True))
+    style.save_figure(fig, "01_memory")          # -> figures/01_memory.png
 
 Figures go to ``$TPUATTN_FIGURES_DIR`` when set (the test command points it at a temporary folder so
 nbval does not rewrite the committed figures), else to ``../figures`` when running from
@@ -44,10 +44,19 @@ STEP_COLOURS = {"fetch": "#6a4c93", "resident": "#8cc084", "idle": "#ffffff", "f
 
 
 def impl_colour(impl: str) -> str:
-    """One colour per implementation in every figure: its place in the registry, in matplotlib's cycle."""
-    from tpuattn.api import known_implementations
+    """One colour per implementation in every figure: its place in matplotlib's cycle.
 
-    names = known_implementations()
+    The place is the built-in order (:data:`tpuattn.api.IMPLEMENTATION_MODULES`), then registration
+    order, so a notebook that imports a kernel module before the others draws the same colours.
+    """
+    from tpuattn import api
+
+    def built_in_rank(name: str) -> int:
+        module = api.get_implementation(name).fn.__module__
+        return next((rank for rank, prefix in enumerate(api.IMPLEMENTATION_MODULES)
+                     if module == prefix or module.startswith(prefix + ".")), len(api.IMPLEMENTATION_MODULES))
+
+    names = sorted(api.known_implementations(), key=built_in_rank)
     return f"C{names.index(impl) % 10}" if impl in names else "C9"
 
 
@@ -78,7 +87,7 @@ def save_figure(fig, name: str) -> Path:
     return path
 
 
-def backend_label(*, measured: bool, interpret: bool | None = None) -> str:
+def backend_label(*, measured: bool, interpret: bool = False) -> str:
     """``"cpu, measured"``, ``"TPU v5 lite, measured"``, ``"cpu (interpret), measured"``, ``"modelled"``."""
     if not measured:
         return "modelled"
@@ -87,7 +96,7 @@ def backend_label(*, measured: bool, interpret: bool | None = None) -> str:
     return f"{platform.info().label(interpret=interpret)}, measured"
 
 
-def labelled(title: str, *, measured: bool, interpret: bool | None = None, chip: str | None = None) -> str:
+def labelled(title: str, *, measured: bool, interpret: bool = False, chip: str | None = None) -> str:
     """A title with its provenance: ``"<title>\\n(<backend>, measured)"`` or ``"(modelled for <chip>)"``."""
     if measured:
         return f"{title}\n({backend_label(measured=True, interpret=interpret)})"
