@@ -42,10 +42,10 @@ if "google.colab" in sys.modules:
 
 # %% tags=["nbval-ignore-output"]
 import tpuattn
-from tpuattn import platform
+from tpuattn.measure import runtime
 from tpuattn.exercises import run_checks
 
-PLATFORM = platform.info()
+PLATFORM = runtime.info()
 print(PLATFORM.summary())
 
 # %% tags=["parameters"]
@@ -69,10 +69,10 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tpuattn import plots
+from tpuattn.viz import style
 from tpuattn.spec import MaskSpec
 
-plots.use_style()
+style.use_style()
 rng = np.random.default_rng(SEED)
 
 # %% [markdown]
@@ -219,7 +219,7 @@ print("reference attention is finite and matches float64 on large logits")
 # | `segment_ids` | key `j` is in the same segment as query `i` (packed sequences) |
 #
 # All given masks combine with AND. Here they are written from that table in NumPy; then we check
-# that `tpuattn.masks.MaskSpec`, which every implementation uses, agrees.
+# that `tpuattn.spec.MaskSpec`, which every implementation uses, agrees.
 
 
 # %%
@@ -256,13 +256,13 @@ for kwargs in ({"causal": True}, {"window": (3, 0)}, {"window": (2, 1), "causal"
     for q_len, kv_len in ((12, 12), (4, 12), (12, 4)):
         np.testing.assert_array_equal(package_mask(q_len, kv_len, **kwargs),
                                       numpy_mask(q_len, kv_len, **kwargs))
-print("tpuattn.masks.MaskSpec agrees with the table on", 9, "mask/shape combinations")
+print("tpuattn.spec.MaskSpec agrees with the table on", 9, "mask/shape combinations")
 
 fig, axes = plt.subplots(1, len(examples), figsize=(16, 3.4))
 for ax, (title, mask) in zip(axes, examples.items(), strict=True):
-    plots.show_mask(ax, mask, title=title)
+    style.show_mask(ax, mask, title=title)
 fig.suptitle("Which keys each query sees (dark = visible)", y=1.04)
-plots.save_figure(fig, "01_masks")
+style.save_figure(fig, "01_masks")
 plt.show()
 
 # %% [markdown]
@@ -343,7 +343,7 @@ try:
 
     def explore(q_len=8, kv_len=16, causal=True, left=16, right=16):
         fig, ax = plt.subplots(figsize=(4.5, 3))
-        plots.show_mask(ax, numpy_mask(q_len, kv_len, causal, (left, right)),
+        style.show_mask(ax, numpy_mask(q_len, kv_len, causal, (left, right)),
                         title=f"q_len={q_len}, kv_len={kv_len}, causal={causal}, window=({left}, {right})")
         plt.show()
 
@@ -381,7 +381,7 @@ print(f"GQA ({NUM_HEADS} query heads, {NUM_KV_HEADS} kv heads) matches float64, 
 #
 # ### 4.1 Measured on this machine
 #
-# `tpuattn.memory.measure_peak_memory` runs one forward call of the reference in a fresh process
+# `tpuattn.measure.memory.measure_peak_memory` runs one forward call of the reference in a fresh process
 # and reports the process's peak resident memory minus what it held before the call (batch 1,
 # `MEASURE_HEADS` heads, head_dim 16, float32). Beside it, the bytes of one float32 score matrix.
 
@@ -392,7 +392,7 @@ MIB = 2**20
 measured = []
 if RUN_MEMORY:
     print(f"{'seq_len':>8} {'call peak MiB':>14} {'one score matrix MiB':>21}   "
-          f"({plots.backend_label(measured=True)})")
+          f"({style.backend_label(measured=True)})")
     for seq_len in MEASURE_LENGTHS:
         peak = measure_peak_memory("reference", seq_len, mode="fwd", heads=MEASURE_HEADS, head_dim=16)
         scores_mib = 1 * MEASURE_HEADS * seq_len * seq_len * 4 / MIB
@@ -415,7 +415,7 @@ if RUN_MEMORY:
 # activations, $P$ for the backward pass all come on top.
 
 # %%
-from tpuattn import roofline
+from tpuattn.model import roofline
 
 GIB = 2**30
 chips = {name: roofline.chip_spec(name, source="published").hbm_capacity for name in ("v5e", "v6e", "v5p")}
@@ -454,7 +454,7 @@ else:
     ax_m.text(0.5, 0.5, "RUN_MEMORY = False", ha="center", transform=ax_m.transAxes)
 ax_m.set_xlabel("sequence length T")
 ax_m.set_ylabel("MiB")
-ax_m.set_title(plots.labelled(f"Peak memory of naive attention, batch 1 x {MEASURE_HEADS} heads x d 16",
+ax_m.set_title(style.labelled(f"Peak memory of naive attention, batch 1 x {MEASURE_HEADS} heads x d 16",
                               measured=True))
 
 t = np.logspace(np.log2(1024), np.log2(262144), 60, base=2)
@@ -467,9 +467,9 @@ ax_t.set_xscale("log", base=2)
 ax_t.set_yscale("log", base=2)
 ax_t.set_xlabel("sequence length T")
 ax_t.set_ylabel("GiB")
-ax_t.set_title(plots.labelled("Score matrix vs one chip's HBM", measured=False, chip="TPU v5e / v6e / v5p"))
+ax_t.set_title(style.labelled("Score matrix vs one chip's HBM", measured=False, chip="TPU v5e / v6e / v5p"))
 ax_t.legend(fontsize=8)
-plots.save_figure(fig, "01_memory")
+style.save_figure(fig, "01_memory")
 plt.show()
 
 # %% [markdown]

@@ -43,9 +43,9 @@ if "google.colab" in sys.modules:
 
 # %% tags=["nbval-ignore-output"]
 import tpuattn
-from tpuattn import platform
+from tpuattn.measure import runtime
 
-PLATFORM = platform.info()
+PLATFORM = runtime.info()
 print(PLATFORM.summary())
 
 # %% tags=["parameters"]
@@ -71,10 +71,11 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tpuattn import blockwise, blockwise_viz, plots
+from tpuattn.impl import blockwise
+from tpuattn.viz import style, tiles
 from tpuattn.spec import MaskSpec
 
-plots.use_style()
+style.use_style()
 rng = np.random.default_rng(SEED)
 LABEL = PLATFORM.label()
 
@@ -190,11 +191,11 @@ window_spec = MaskSpec(q_len=MAP_LEN, kv_len=MAP_LEN, window=(MAP_LEN // 4, 0), 
 fig, axes = plt.subplots(1, 2, figsize=(10, 4.8))
 panels = (("causal", spec), (f"causal, window {MAP_LEN // 4}", window_spec))
 for ax, (name, mask_spec) in zip(axes, panels, strict=True):
-    blockwise_viz.draw_block_map(ax, mask_spec.block_map(MAP_BLOCK, MAP_BLOCK),
+    tiles.draw_block_map(ax, mask_spec.block_map(MAP_BLOCK, MAP_BLOCK),
                                  title=f"{name}, {MAP_LEN} tokens", block_q=MAP_BLOCK, block_kv=MAP_BLOCK)
 fig.suptitle("Tiles the blockwise schedule runs (position-only, computed at trace time)")
 fig.tight_layout()
-plots.save_figure(fig, "02_causal_blocks")
+style.save_figure(fig, "02_causal_blocks")
 plt.show()
 
 # %%
@@ -241,12 +242,12 @@ def check_and_time():
     for name, fn in fns.items():
         # Check first (float32, 2e-5 as the suite), then time: compile apart, median of repeats.
         np.testing.assert_allclose(jax.jit(fn)(q, k, v), expected, atol=2e-5, rtol=2e-5)
-        rows.append((name, tpuattn.timing.time_jitted(fn, q, k, v, repeats=LOOP_REPEATS)))
+        rows.append((name, tpuattn.measure.timing.time_jitted(fn, q, k, v, repeats=LOOP_REPEATS)))
     return rows
 
 
 if RUN_TIMING:
-    import tpuattn.timing
+    import tpuattn.measure.timing
 
     timings = check_and_time()
     base = timings[0][1].median_s
@@ -264,7 +265,7 @@ if RUN_TIMING:
 # streams the tiles of every query block through memory at once. (The same cache effect is why the
 # package's `blockwise`, which batches all query rows of a step into one matmul, need not be the
 # fastest line here; what it must beat is the materialised reference and XLA's attention, which
-# `ci/bench_blockwise.py` measures from 1024 to 8192 tokens.) On a TPU the balance flips: a
+# `benchmarks/blockwise_vs_reference.py` measures from 1024 to 8192 tokens.) On a TPU the balance flips: a
 # TensorCore issues one operation at a time to its 128x128 (v5e) matrix unit, so a `[128, 128]` tile
 # per loop iteration leaves the chip mostly idle and pays the loop's fixed cost for every tile,
 # while the vmapped version hands it one large batched matmul per key block: the write-up's 45x.
@@ -274,7 +275,7 @@ if RUN_TIMING:
 # %% [markdown]
 # ## 5. Memory against sequence length
 #
-# Each point is one attention call in a fresh child process (`tpuattn.memory`): the operating
+# Each point is one attention call in a fresh child process (`tpuattn.measure.memory`): the operating
 # system's peak resident memory minus what the process held before the call. The reference holds
 # `heads x L x L` float32 scores (more in the backward pass, which keeps the probabilities); blockwise
 # holds one step's tile, `rows x block_kv`, plus per-row state.
@@ -296,15 +297,16 @@ if RUN_MEMORY:
             ratio = mib["blockwise"] / mib["reference"] if mib["reference"] > 0 else float("nan")
             print(f"{seq_len:>6} {mode:>8} {mib['reference']:10.0f} {mib['blockwise']:10.0f} {ratio:6.2f}")
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    blockwise_viz.plot_memory(ax, memory, label=LABEL)
+    tiles.plot_memory(ax, memory, label=LABEL, guides=(("reference", 2), ("blockwise", 1)),
+                      xlabel="sequence length (batch 1, 4 heads, head_dim 64, float32)")
     fig.tight_layout()
-    plots.save_figure(fig, "02_memory")
+    style.save_figure(fig, "02_memory")
     plt.show()
 
 # %% [markdown]
 # At short lengths both numbers are dominated by compilation and the runtime (a few hundred MiB);
 # from a few thousand tokens the reference's quadratic score matrix takes over while blockwise grows
-# linearly. `ci/bench_blockwise.py` extends this to 16384 tokens and adds wall time against
+# linearly. `benchmarks/blockwise_vs_reference.py` extends this to 16384 tokens and adds wall time against
 # `jax.nn.dot_product_attention`.
 
 # %% [markdown]

@@ -48,9 +48,9 @@ if "google.colab" in sys.modules:
 
 # %% tags=["nbval-ignore-output"]
 import tpuattn
-from tpuattn import platform
+from tpuattn.measure import runtime
 
-PLATFORM = platform.info()
+PLATFORM = runtime.info()
 print(PLATFORM.summary())
 
 # %% tags=["parameters"]
@@ -83,11 +83,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuattn import plots
+from tpuattn.viz import style
 from tpuattn.impl.common import matmul_precision
-from tpuattn.pallas import visualize as viz
+from tpuattn.model import counts
+from tpuattn.viz import grid
 
-plots.use_style()
+style.use_style()
 ON_TPU = PLATFORM.on_tpu
 INTERPRET = not ON_TPU
 print(f"Pallas kernels in this notebook run {'compiled' if ON_TPU else 'in interpret mode'} "
@@ -155,7 +156,7 @@ NT = (((1,), (1,)), ((), ()))  # dot_general dims: contract the last dim of both
 
 def one_block_kernel(q_ref, k_ref, v_ref, o_ref, *, scale):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]  # load the tiles from VMEM
-    precision = matmul_precision(q.dtype)  # full float32 passes for float32 inputs (see tpuattn._common)
+    precision = matmul_precision(q.dtype)  # full float32 passes for float32 inputs (see tpuattn.impl.common)
     s = jax.lax.dot_general(q, k, NT, precision=precision, preferred_element_type=jnp.float32) * scale
     m = jnp.max(s, axis=-1, keepdims=True)  # subtract the row max: exp never overflows
     p = jnp.exp(s - m)
@@ -513,7 +514,7 @@ for name, got, want in zip(("dQ", "dK", "dV"), grads, grads_ref, strict=True):
 #
 # * any length and head dimension: inputs are padded to the tile outside the kernel and the
 #   padding is masked inside it;
-# * the **schedule** (`tpuattn.pallas.schedule`) goes one step further than clamping: for every
+# * the **schedule** (`tpuattn.pallas.plan`) goes one step further than clamping: for every
 #   query block it lists the visible kv blocks first and repeats the last one, and passes that
 #   list to the kernel as *scalar prefetch* (SMEM). The grid's kv axis is only as long as the
 #   longest list -- a sliding window shortens the grid itself -- and tiles that every row sees
@@ -549,8 +550,8 @@ for name, got, want, tol in package_cases:
 # ## The grid, drawn
 #
 # Which grid steps does the package's kernel compute, and which fetch a new K/V block? The drawing
-# below comes from `tpuattn.pallas.visualize.draw_grid`, which evaluates **the kernel's own schedule
-# and index maps** over its grid (`tpuattn.pallas.schedule`), exactly as the pipeline walks it:
+# below comes from `tpuattn.counts.grid.draw_grid`, which evaluates **the kernel's own schedule
+# and index maps** over its grid (`tpuattn.pallas.plan`), exactly as the pipeline walks it:
 # a step fetches when the block index differs from the previous step's.
 #
 # Left, the tiles: blue tiles are computed without a mask, orange ones on the mask's edge need the
@@ -559,10 +560,10 @@ for name, got, want, tol in package_cases:
 # block already in VMEM (q block 1 starts on kv block 0, where q block 0 ended), white steps idle.
 
 # %%
-fig = viz.draw_grid(viz.spec_for(GRID_LEN, causal=True), (BLOCK_Q, BLOCK_KV))
-plots.save_figure(fig, "03_grid_causal")
+fig = grid.draw_grid(counts.spec_for(GRID_LEN, causal=True), (BLOCK_Q, BLOCK_KV))
+style.save_figure(fig, "03_grid_causal")
 plt.show()
-plots.close(fig)
+style.close(fig)
 
 # %% [markdown]
 # A sliding window (here `GRID_WINDOW` keys to the left, causal on the right) keeps a band of tiles.
@@ -570,10 +571,10 @@ plots.close(fig)
 # to the band's width: the kernel does not even *iterate* over the hidden tiles.
 
 # %%
-fig = viz.draw_grid(viz.spec_for(2 * GRID_LEN, causal=True, window=(GRID_WINDOW, 0)), (BLOCK_Q, BLOCK_KV))
-plots.save_figure(fig, "03_grid_window")
+fig = grid.draw_grid(counts.spec_for(2 * GRID_LEN, causal=True, window=(GRID_WINDOW, 0)), (BLOCK_Q, BLOCK_KV))
+style.save_figure(fig, "03_grid_window")
 plt.show()
-plots.close(fig)
+style.close(fig)
 
 # %% [markdown]
 # **Try it.** The widget redraws the grid for other block sizes, lengths and masks (it needs a live
@@ -584,7 +585,7 @@ plots.close(fig)
 from IPython.display import display
 
 try:
-    widget = viz.grid_widget(q_len=GRID_LEN, kv_len=GRID_LEN, block_q=BLOCK_Q, block_kv=BLOCK_KV, causal=True)
+    widget = grid.grid_widget(q_len=GRID_LEN, kv_len=GRID_LEN, block_q=BLOCK_Q, block_kv=BLOCK_KV, causal=True)
     display(widget)
 except ImportError as error:  # ipywidgets missing: the static figures above are the fallback
     print(f"widget unavailable ({error}); see figures/03_grid_causal.png")
@@ -593,7 +594,7 @@ except ImportError as error:  # ipywidgets missing: the static figures above are
 # ## HBM bytes the schedule moves
 #
 # A kernel that streams K/V blocks reads K and V **once per query block** (and once per query head
-# of a GQA group). `viz.hbm_traffic` counts the forward pass's HBM traffic from the package's
+# of a GQA group). `counts.hbm_traffic` counts the forward pass's HBM traffic from the package's
 # schedule -- Q read once per query block, each K/V fetch counted where the index map changes block
 # (`kv_schedule`'s `fetched`), O and the logsumexp written once -- against the minimum: Q, K, V read
 # once and O written once. (Its docstring states the model.) Shape: batch 1, 8 heads, head_dim 128,
@@ -607,10 +608,10 @@ for seq_len, kv_heads, mask_kw, blocks in ((1024, 8, {}, (128, 128)), (4096, 8, 
                                            (4096, 8, causal, (512, 512)), (4096, 2, causal, (128, 128)),
                                            (4096, 8, {"causal": True, "window": (512, 0)}, (128, 128)),
                                            (16384, 8, causal, (512, 512))):
-    spec = viz.spec_for(seq_len, num_q_heads=8, num_kv_heads=kv_heads, head_dim=128, **mask_kw)
-    rows.append({"seq": seq_len, "heads q/kv": f"8/{kv_heads}", "mask": viz.describe_mask(spec),
-                 **viz.hbm_traffic(spec, blocks).as_row()})
-print(viz.format_table(rows))
+    spec = counts.spec_for(seq_len, num_q_heads=8, num_kv_heads=kv_heads, head_dim=128, **mask_kw)
+    rows.append({"seq": seq_len, "heads q/kv": f"8/{kv_heads}", "mask": counts.describe_mask(spec),
+                 **counts.hbm_traffic(spec, blocks).as_row()})
+print(counts.format_table(rows))
 
 # %% [markdown]
 # Reading the table: unmasked at 4096 with 128-blocks, K and V are each read 32 times (once per query
@@ -622,12 +623,12 @@ print(viz.format_table(rows))
 # the package uses lanes 0 and 1 for `m` and `log l`): twice the bytes of O at head_dim 128 in
 # bfloat16 -- small next to K/V here, though a packed layout could make it ~64x smaller.
 #
-# **The count the issue asks for.** At 4096 tokens, 128-blocks, causal, the kernel computes and
+# **The count.** At 4096 tokens, 128-blocks, causal, the kernel computes and
 # fetches only about half of the kv blocks the unmasked kernel does. The counts come from
 # `tpuattn.pallas.kv_schedule` -- the same schedule arrays and index maps the kernel runs:
 
 # %%
-spec_4096 = viz.spec_for(4096, causal=True)
+spec_4096 = counts.spec_for(4096, causal=True)
 counts = tpuattn.pallas.kv_schedule(spec_4096, tpuattn.pallas.ForwardBlocks(128, 128))
 print("4096 tokens, 128 x 128 blocks, causal (one batch row, one head):")
 print(f"  kv blocks computed: {counts.total_computed} of {counts.unmasked_computed} "
@@ -651,12 +652,13 @@ assert counts.total_computed == n * (n + 1) // 2 and counts.total_fetched == n *
 # interpreter, not the kernel -- so nothing is measured.
 
 # %%
-from tpuattn import roofline
+from tpuattn import chips
+from tpuattn.model import roofline
 
 
 def peak_bf16_tflops():
     """(peak bfloat16 TFLOP/s per device, source) of this TPU, or (None, reason)."""
-    chip = roofline.chip_for_device_kind(PLATFORM.device_kind)
+    chip = chips.from_device_kind(PLATFORM.device_kind)
     if chip is not None:
         spec = roofline.chip_spec(chip)  # JAX's chip table (JAX >= 0.8.1) or the published numbers
         return spec.bf16_flops / 1e12, spec.source
@@ -777,7 +779,7 @@ def check_vmem():
 def check_fetches():
     for n in range(1, 13):
         mine = causal_fetches(n)
-        spec = viz.spec_for(128 * n, causal=True)
+        spec = counts.spec_for(128 * n, causal=True)
         counts = tpuattn.pallas.kv_schedule(spec, tpuattn.pallas.ForwardBlocks(128, 128))
         assert mine == counts.total_fetched, (n, mine, counts.total_fetched)
 

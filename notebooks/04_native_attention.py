@@ -44,9 +44,9 @@ if "google.colab" in sys.modules:
 
 # %% tags=["nbval-ignore-output"]
 import tpuattn
-from tpuattn import platform
+from tpuattn.measure import runtime
 
-PLATFORM = platform.info()
+PLATFORM = runtime.info()
 print(PLATFORM.summary())
 
 # %% tags=["parameters"]
@@ -76,10 +76,11 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tpuattn import plots, roofline
+from tpuattn.model import roofline
+from tpuattn.viz import style
 from tpuattn.measure.timing import time_jitted
 
-plots.use_style()
+style.use_style()
 rng = np.random.default_rng(SEED)
 print("registered here:", tpuattn.implementations())
 
@@ -117,13 +118,13 @@ np.testing.assert_array_equal(seen_splash, expected)
 print("jax.nn is_causal=True == contract's causal:", bool((seen_jax_nn == expected).all()))
 
 fig, axes = plt.subplots(1, 3, figsize=(10, 2.8))
-plots.show_mask(axes[0], seen_contract, title="impl='xla' (contract: bottom-right)")
-plots.show_mask(axes[1], seen_jax_nn, title="jax.nn is_causal=True (top-left)")
-plots.show_mask(axes[2], seen_splash, title="impl='splash' (CausalMask, offset 4)")
+style.show_mask(axes[0], seen_contract, title="impl='xla' (contract: bottom-right)")
+style.show_mask(axes[1], seen_jax_nn, title="jax.nn is_causal=True (top-left)")
+style.show_mask(axes[2], seen_splash, title="impl='splash' (CausalMask, offset 4)")
 fig.suptitle(f"causal with q_len={Q_LEN}, kv_len={KV_LEN}, read off each function's output")
-plots.save_figure(fig, "04_alignment")
+style.save_figure(fig, "04_alignment")
 plt.show()
-plots.close(fig)
+style.close(fig)
 
 # %% [markdown]
 # **How each path translates.**
@@ -262,12 +263,12 @@ for ax, dtype in zip(axes[0], ERROR_DTYPES, strict=True):
     ax.axhline(tolerance[dtype], color="grey", linestyle="--", label="suite tolerance")
     ax.set(xscale="log", yscale="log", xlabel="sequence length",
            ylim=(tolerance[dtype] / 1000, tolerance[dtype] * 3),
-           title=plots.labelled(f"{dtype} inputs, causal (overlapping lines = equal errors)", measured=True))
+           title=style.labelled(f"{dtype} inputs, causal (overlapping lines = equal errors)", measured=True))
 axes[0, 0].set_ylabel("max |out - float64|")
 axes[0, -1].legend(loc="lower right", fontsize="small")
-plots.save_figure(fig, "04_errors")
+style.save_figure(fig, "04_errors")
 plt.show()
-plots.close(fig)
+style.close(fig)
 
 # %%
 # Deterministic checks on the same numbers: every implementation within the test suite's tolerances.
@@ -339,7 +340,7 @@ print("  splash.make_splash_mha takes interpret=:",
 
 # %% [markdown]
 # **How the contract isolates it.** Callers only ever write `tpuattn.attention(q, k, v, ...,
-# impl=name)`. Everything version-specific lives in one module per implementation (`tpuattn/native.py`
+# impl=name)`. Everything version-specific lives in one module per implementation (`tpuattn/impl/xla.py`, `tpuattn/impl/splash.py`
 # for both native paths) and reaches the rest of the package only through `register(name, fn,
 # supports=...)`. When JAX changes, one file changes, the shared float64 oracle suite says whether the
 # translation still holds, and `supports()` turns a missing feature into a clear refusal instead of a
@@ -350,7 +351,7 @@ print("  splash.make_splash_mha takes interpret=:",
 #
 # Two kinds of evidence, labelled as such:
 #
-# * **measured** on this machine: wall-clock of the compiled implementations (`tpuattn.timing`:
+# * **measured** on this machine: wall-clock of the compiled implementations (`tpuattn.measure.timing`:
 #   compile separately, warm up, median of repeats). The Pallas kernels are *not* timed here off a
 #   TPU: interpret mode says nothing about kernel speed.
 # * **modelled** for a TPU: the roofline lower bound from `tpuattn.roofline` (notebook 05 explains
@@ -381,18 +382,18 @@ fig, (ax_measured, ax_model) = plt.subplots(1, 2, figsize=(11, 3.6))
 for impl in sorted({name for name, _ in timings}):
     ax_measured.plot(TIMING_LENGTHS, [timings[impl, n] * 1e3 for n in TIMING_LENGTHS], "o-", label=impl)
 ax_measured.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms (median)",
-                title=plots.labelled(f"forward, causal, {TIMING_HEADS} heads x {TIMING_HEAD_DIM}, f32",
+                title=style.labelled(f"forward, causal, {TIMING_HEADS} heads x {TIMING_HEAD_DIM}, f32",
                                      measured=True))
 if timings:
     ax_measured.legend()
 for impl, rows in model_rows.items():
     ax_model.plot(MODEL_LENGTHS, [r.time_s * 1e3 for r in rows], "o-", label=impl)
 ax_model.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms (lower bound)",
-             title=plots.labelled("forward, causal, 8 heads x 128, bf16", measured=False, chip=MODEL_CHIP))
+             title=style.labelled("forward, causal, 8 heads x 128, bf16", measured=False, chip=MODEL_CHIP))
 ax_model.legend()
-plots.save_figure(fig, "04_decision")
+style.save_figure(fig, "04_decision")
 plt.show()
-plots.close(fig)
+style.close(fig)
 
 print(f"measured here ({PLATFORM.label()}), forward causal, median ms:")
 for length in TIMING_LENGTHS:

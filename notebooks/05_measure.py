@@ -49,10 +49,10 @@ if "google.colab" in sys.modules:
 
 # %% tags=["nbval-ignore-output"]
 import tpuattn
-from tpuattn import platform
+from tpuattn.measure import runtime
 from tpuattn.exercises import run_checks
 
-PLATFORM = platform.info()
+PLATFORM = runtime.info()
 print(PLATFORM.summary())
 
 # %% tags=["parameters"]
@@ -85,9 +85,13 @@ import math
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tpuattn import bench, bench_plots, plots, roofline
+from tpuattn import chips
+from tpuattn.measure import bench
+from tpuattn.model import roofline
+from tpuattn.viz import bench as bench_plots
+from tpuattn.viz import style
 
-plots.use_style()
+style.use_style()
 on_tpu = PLATFORM.on_tpu
 dtype = DTYPE or ("bfloat16" if on_tpu else "float32")
 seq_lens = TPU_SEQ_LENS if on_tpu else SEQ_LENS
@@ -187,7 +191,7 @@ for col, mode in enumerate(MODES):
     bench_plots.plot_time(results, axes[0, col], mode)
     bench_plots.plot_tflops(results, axes[1, col], mode)
 fig.tight_layout()
-plots.save_figure(fig, "05_time_tflops")
+style.save_figure(fig, "05_time_tflops")
 plt.show()
 
 # %% [markdown]
@@ -220,7 +224,7 @@ if MEASURE_MEMORY and memory_impls:
     ax.plot(t, (4 + itemsize) * BATCH * MEMORY_HEADS * t**2 / 2**20, "k--",
             label="materialised S + P (modelled)")
     ax.legend(fontsize="small")
-    plots.save_figure(fig, "05_memory")
+    style.save_figure(fig, "05_memory")
     plt.show()
     for row in memory.rows:
         mib = float("nan") if row[value] is None else row[value]
@@ -246,14 +250,15 @@ else:
 # %% tags=["nbval-ignore-output"]
 print(f"{'chip':<5} {'bf16 TFLOP/s':>12} {'f32 (model)':>11} {'HBM GB/s':>9} {'HBM GiB':>8} {'VMEM MiB':>9} "
       f"{'ridge FLOP/B':>12}  source")
-for name in roofline.CHIPS:
-    for chip in (roofline.PUBLISHED[name], roofline.chip_spec(name)):
+for name in chips.NAMES:
+    sources = ("table", "jax") if roofline.jax_has_tpu_info() else ("table",)
+    for chip in (roofline.chip_spec(name, source=source) for source in sources):
         print(f"{name:<5} {chip.bf16_flops / 1e12:12.0f} {chip.f32_flops / 1e12:11.1f} "
               f"{chip.hbm_bandwidth / 1e9:9.0f} {chip.hbm_capacity / 2**30:8.1f} "
               f"{chip.vmem_bytes / 2**20:9.0f} "
               f"{chip.ridge_point():12.0f}  {chip.source}")
-v5e = roofline.PUBLISHED["v5e"]
-assert (v5e.bf16_flops, v5e.hbm_bandwidth) == (197e12, 819e9)  # Cloud TPU v5e page
+v5e = roofline.chip_spec("v5e")
+assert (v5e.bf16_flops, v5e.hbm_bandwidth) == (197e12, 820e9)  # JAX's table; Cloud's v5e page: 197 TFLOP/s, 819 GB/s
 
 # %% [markdown]
 # ### The schedules, counted
@@ -291,10 +296,11 @@ print(f"{ref_cost.hbm_bytes / 1e9:8.3f} GB  total; {ref_cost.flops / 1e12:.3f} T
 # default 128 x 128.
 
 # %%
-chips = {name: roofline.chip_spec(name) for name in roofline.CHIPS}
-model_impls = list(roofline.MODELS)
+# The four generations the figures below draw (the table above lists every chip).
+chip_specs = {name: roofline.chip_spec(name) for name in ("v4", "v5e", "v5p", "v6e")}
+model_impls = list(roofline.models())
 predictions = {}
-for chip_name, chip in chips.items():
+for chip_name, chip in chip_specs.items():
     for impl in model_impls:
         for mode in MODES:
             for t in MODEL_SEQ_LENS:
@@ -326,13 +332,13 @@ print("* standard-count TFLOP/s at the predicted time: what a benchmark would re
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey=True)
-for ax, chip_name in zip(axes.flat, chips, strict=True):
+for ax, chip_name in zip(axes.flat, chip_specs, strict=True):
     for impl in model_impls:
         times = [predictions[chip_name, impl, "fwd", t].time_s * 1e3 for t in MODEL_SEQ_LENS]
         fits = [predictions[chip_name, impl, "fwd", t].fits_hbm for t in MODEL_SEQ_LENS]
         # xla has the reference's schedule: draw the reference wide and pale so both show.
         wide = {"lw": 6, "alpha": 0.35} if impl == "reference" else {}
-        ax.plot(MODEL_SEQ_LENS, times, marker="o", label=impl, color=bench_plots.COLORS.get(impl), **wide)
+        ax.plot(MODEL_SEQ_LENS, times, marker="o", label=impl, color=style.impl_colour(impl), **wide)
         for t, ms, ok in zip(MODEL_SEQ_LENS, times, fits, strict=True):
             if not ok:
                 ax.plot(t, ms, "x", color="red", markersize=10)
@@ -341,23 +347,23 @@ for ax, chip_name in zip(axes.flat, chips, strict=True):
     ax.set_xticks(MODEL_SEQ_LENS, [str(t) for t in MODEL_SEQ_LENS])
     ax.minorticks_off()
     ax.set_xlabel("sequence length")
-    ax.set_title(plots.labelled(f"causal fwd, {MODEL_DTYPE}", measured=False, chip=f"TPU {chip_name}"))
+    ax.set_title(style.labelled(f"causal fwd, {MODEL_DTYPE}", measured=False, chip=f"TPU {chip_name}"))
 for ax in axes[:, 0]:
     ax.set_ylabel("predicted lower-bound time (ms)")
 axes[0, 0].legend(title="red x: does not fit in HBM", fontsize="small")
 fig.tight_layout()
-plots.save_figure(fig, "05_predicted_time")
+style.save_figure(fig, "05_predicted_time")
 plt.show()
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(11, 8.8))
-for ax, (chip_name, chip) in zip(axes.flat, chips.items(), strict=True):
+for ax, (chip_name, chip) in zip(axes.flat, chip_specs.items(), strict=True):
     points = [predictions[chip_name, impl, "fwd", 8192] for impl in model_impls]
     bench_plots.plot_roofline(ax, chip, points, dtype=MODEL_DTYPE)
-    title = plots.labelled("roofline, causal fwd at 8192 tokens", measured=False, chip=f"TPU {chip_name}")
+    title = style.labelled("roofline, causal fwd at 8192 tokens", measured=False, chip=f"TPU {chip_name}")
     ax.set_title(title, fontsize="small")
 fig.tight_layout()
-plots.save_figure(fig, "05_roofline")
+style.save_figure(fig, "05_roofline")
 plt.show()
 
 # %% [markdown]
@@ -374,7 +380,7 @@ plt.show()
 # %%
 print(f"batch {MODEL_BATCH} x {MODEL_HEADS} heads x d {MODEL_HEAD_DIM}, {MODEL_DTYPE} (modelled)")
 print(f"{'chip':<5} {'HBM fwd':>8} {'HBM fwd+bwd':>12} {'VMEM q_block 128':>17} {'VMEM q_block 512':>17}")
-for chip_name, chip in chips.items():
+for chip_name, chip in chip_specs.items():
     kwargs = dict(batch=MODEL_BATCH, heads=MODEL_HEADS, head_dim=MODEL_HEAD_DIM, dtype=MODEL_DTYPE)
     print(f"{chip_name:<5} {roofline.materialise_crossover(chip, **kwargs):>8} "
           f"{roofline.materialise_crossover(chip, mode='fwd+bwd', **kwargs):>12} "
@@ -391,7 +397,8 @@ for chip_name, chip in chips.items():
 # is modelled.
 
 # %% tags=["nbval-ignore-output"]
-chip_name = roofline.chip_for_device_kind(PLATFORM.device_kind)
+chip = chips.from_device_kind(PLATFORM.device_kind)
+chip_name = chip.name if chip is not None else None
 if chip_name is None:
     print(f"On {PLATFORM.label()}: no TPU to compare with. Section 2 is measured on {PLATFORM.label()}; "
           "section 3 is modelled.")
@@ -401,7 +408,7 @@ else:
     print(f"{'impl':<10} {'mode':<8} {'T':>6} {'causal':<6} {'measured ms':>11} {'bound ms':>9} "
           f"{'fraction':>8}")
     for row in results.select(status="ok", timing_kind=bench.TIMING_COMPILED):
-        if row["impl"] not in roofline.MODELS:
+        if row["impl"] not in roofline.models():
             continue
         spec = roofline.problem(row["seq_len"], batch=row["batch"], heads=row["heads"],
                                 kv_heads=row["kv_heads"], head_dim=row["head_dim"], dtype=row["dtype"],
@@ -414,8 +421,8 @@ else:
                                     p.cost.flops / row["median_s"]))
     fig, ax = plt.subplots(figsize=(7, 4.6))
     bench_plots.plot_roofline(ax, chip, dtype=dtype, measured=measured_points)
-    ax.set_title(plots.labelled(f"TPU {chip_name}: measured runs on the roofline", measured=True))
-    plots.save_figure(fig, "05_roofline_measured")
+    ax.set_title(style.labelled(f"TPU {chip_name}: measured runs on the roofline", measured=True))
+    style.save_figure(fig, "05_roofline_measured")
     plt.show()
 
 # %% [markdown]
@@ -461,7 +468,7 @@ def check_exercises():
     long = roofline.problem(32768, heads=1, head_dim=128, dtype="bfloat16")
     checks = {
         "1 ridge": lambda: np.testing.assert_allclose(
-            v6e_ridge_point(), roofline.PUBLISHED["v6e"].ridge_point(), rtol=1e-6),
+            v6e_ridge_point(), roofline.chip_spec("v6e").ridge_point(), rtol=1e-6),
         "2 re-reads": lambda: np.testing.assert_allclose(
             flash_intensity(256), roofline.cost("pallas", long, q_block=256, kv_block=512).intensity,
             rtol=0.02),
@@ -484,7 +491,7 @@ check_exercises()
 #     return 4 * block_q / (2 * itemsize)         # = block_q FLOP/B in bf16
 #
 # def smallest_compute_bound_block_q():
-#     ridge = roofline.PUBLISHED["v5e"].ridge_point()   # ~240
+#     ridge = roofline.chip_spec("v5e").ridge_point()   # ~240
 #     return next(b for b in range(128, 2049, 128) if flash_intensity(b) >= ridge)   # 256
 # ```
 # </details>

@@ -74,10 +74,9 @@ def default_blocks(q_len: int, kv_len: int) -> tuple[int, int]:
 
     Rule: 512 for both, clipped to the lengths. Fixed (not growing with the length) so
     that the memory of one step, ``q_rows x block_kv`` floats, grows linearly with the
-    sequence; square so that a causal diagonal tile is half visible. Measured on a 2-core
-    CPU with ci/bench_blockwise.py (4 heads, head_dim 64): 256 and 1024 are within ~15%
-    of 512; smaller blocks pay per-step overhead and compile time (a causal schedule
-    unrolls one step per key block), larger ones cache misses and memory.
+    sequence; square so that a causal diagonal tile is half visible. Smaller blocks pay
+    per-step overhead and compile time (a causal schedule unrolls one step per key block),
+    larger ones cache misses and memory (``benchmarks/blockwise_vs_reference.py`` measures).
     """
     return min(DEFAULT_BLOCK, q_len), min(DEFAULT_BLOCK, kv_len)
 
