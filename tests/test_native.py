@@ -245,3 +245,11 @@ def test_auto_runs_end_to_end_and_matches_oracle():
     out = tpuattn.attention(q, k, v, causal=True)  # impl="auto"
     np.testing.assert_allclose(np.asarray(out), oracle_attention(q, k, v, causal=True),
                                atol=F32_TOL, rtol=F32_TOL)
+
+
+def test_auto_passes_over_splash_when_folding_a_large_scale_rounds_the_logits():
+    long = dict(q_len=2048, kv_len=2048, causal=True, dtype=jnp.bfloat16)
+    assert choose_implementation(_spec(**long), "tpu") == "splash"  # default 1/sqrt(d)
+    assert choose_implementation(_spec(**long, scale=4.0), "tpu") == "splash"  # a power of two is exact
+    assert choose_implementation(_spec(**long, scale=2.5), "tpu") == "xla"
+    assert choose_implementation(_spec(**{**long, "dtype": jnp.float32}, scale=2.5), "tpu") == "splash"
