@@ -22,10 +22,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+from tpuattn import chips
 from tpuattn._checks import known_options, positive_int, round_up
 from tpuattn.impl.common import (
     first_order_only,
     long_enough_for_flash,
+    low_precision_matmul_refused,
     mark_varying,
     varying_axes,
     vma_checks_off,
@@ -114,7 +116,7 @@ def splash_attention(q, k, v, segment_ids, spec, **options):
     block_q = positive_int("block_q", options.get("block_q", DEFAULT_SPLASH_BLOCK), multiple_of=SPLASH_LANES)
     block_kv = positive_int("block_kv", options.get("block_kv", DEFAULT_SPLASH_BLOCK),
                             multiple_of=SPLASH_LANES)
-    interpret = options.get("interpret", jax.default_backend() != "tpu")
+    interpret = options.get("interpret", chips.target_backend() != "tpu")
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret: expected a bool, got {interpret!r}")
     sa = _splash_module()
@@ -226,7 +228,7 @@ def splash_supports(spec, backend: str | None = None) -> str | None:
     if jnp.dtype(spec.dtype) == jnp.float16:
         return ("float16: splash is a TPU kernel and TPUs compute in bfloat16/float32; "
                 "cast to bfloat16 (or use impl='xla')")
-    return None
+    return low_precision_matmul_refused(spec, backend, "splash")
 
 
 def _splash_available() -> bool:

@@ -1,0 +1,18 @@
+"""``python -m tpuattn.aot``: compile reports for TPU chips (see :mod:`tpuattn.measure.aot`).
+
+Sets ``JAX_PLATFORMS=cpu`` before JAX starts (unless set): with libtpu installed JAX would otherwise
+look for a TPU; the compile-only TPU topologies stay available.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from tpuattn.measure import aot as _module
+
+    _module.main()
+else:
+    from tpuattn.measure import aot as _module
+
+    sys.modules[__name__] = _module

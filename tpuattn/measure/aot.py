@@ -1,0 +1,256 @@
+"""Compiled for TPU without a TPU: ``tpuattn.attention`` through the real TPU compiler, as reports.
+
+JAX ships compile-only TPU devices: with ``libtpu`` installed (``pip install "jax[tpu]==<version>"``),
+``jax.experimental.topologies.get_topology_desc("v5e:2x2", platform="tpu")`` describes a slice that
+``jax.jit(f).lower(ShapeDtypeStruct(..., sharding=...)).compile()`` compiles for, on any machine: XLA:TPU
+for the XLA paths and Mosaic for the Pallas kernels. The result has ``memory_analysis()``,
+``cost_analysis()`` and the optimised HLO. Every row here is **compiled** -- a third kind of number
+beside *measured* and *modelled* -- and says so: compiled for a TPU chip, not run.
+
+Inside :func:`compile_row` the code works for the target chip (:func:`tpuattn.chips.target`): the Pallas
+kernels compile instead of interpreting, size their blocks for that chip's VMEM, and an implementation
+that cannot serve the chip refuses (a row ``unsupported``, never ``compile_error``).
+
+From a shell::
+
+    python -m tpuattn.aot --chips v5e,v6e --impls xla,pallas,splash --seq-lens 2048,8192 \\
+        --modes fwd,fwd+bwd --dtype bfloat16 --out out/aot
+
+Keep the compile-only environment apart from the notebooks' (libtpu makes JAX look for a TPU at start):
+the CLI sets ``JAX_PLATFORMS=cpu`` before JAX starts, which leaves the topologies available.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+LABEL = "compiled (TPU compiler, not run)"
+STATUSES = ("ok", "compile_error", "unsupported")
+COLUMNS = ("chip", "impl", "mode", "seq_len", "kv_len", "batch", "heads", "kv_heads", "head_dim", "dtype",
+           "causal", "window", "softcap", "segments", "status", "error", "peak_hbm_bytes", "argument_bytes",
+           "output_bytes", "temp_bytes", "compile_s", "flops", "bytes_accessed", "optimal_seconds",
+           "fusions", "custom_calls", "label", "jax_version", "libtpu_version")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One configuration to compile (the contract's options, shapes without arrays)."""
+
+    seq_len: int
+    kv_len: int | None = None
+    batch: int = 1
+    heads: int = 8
+    kv_heads: int | None = None
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    causal: bool = True
+    window: tuple | None = None
+    softcap: float | None = None
+    segments: bool = False
+
+    def shapes(self):
+        kv_len = self.seq_len if self.kv_len is None else self.kv_len
+        kv_heads = self.heads if self.kv_heads is None else self.kv_heads
+        return ((self.batch, self.seq_len, self.heads, self.head_dim),
+                (self.batch, kv_len, kv_heads, self.head_dim))
+
+
+def tpu_available() -> bool:
+    """True when libtpu is installed, so that compile-only TPU topologies can be described."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def topology_device(chip):
+    """One compile-only device of ``chip`` (a 2x2 topology: the smallest JAX describes for every chip)."""
+
+    return _topology(chip.topology).devices[0]
+
+
+_TOPOLOGIES: dict = {}
+
+
+def _topology(name: str):
+    from jax.experimental import topologies
+
+    if name not in _TOPOLOGIES:
+        _TOPOLOGIES[name] = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    return _TOPOLOGIES[name]
+
+
+def _versions() -> tuple[str, str]:
+    import jax
+
+    try:
+        from importlib.metadata import version
+
+        libtpu = version("libtpu")
+    except Exception:  # noqa: BLE001 - any failure to read a version means "unknown"
+        libtpu = "none"
+    return jax.__version__, libtpu
+
+
+def _first_error_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"E\d{4}:|RESOURCE_EXHAUSTED|[Vv]mem|VMEM|out of memory|INTERNAL", line):
+            return f"{type(error).__name__}: {line}"[:500]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+def _hlo_counts(text: str) -> tuple[int, int]:
+    fusions = len(re.findall(r"^\s*(?:ROOT )?%?\S+ = \S+ fusion\(", text, flags=re.M))
+    custom_calls = len(re.findall(r"custom-call\(", text))
+    return fusions, custom_calls
+
+
+def compile_row(chip_name: str, impl: str, mode: str, problem: Problem, options: dict | None = None) -> dict:
+    """Compile one (chip, implementation, mode, problem) for a TPU; return its report row."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import tpuattn
+    from tpuattn import chips
+    from tpuattn.errors import UnavailableImplementation, UnsupportedInput
+    from tpuattn.measure.flops import check_mode
+
+    check_mode(mode)
+    chip = chips.get(chip_name)
+    jax_version, libtpu_version = _versions()
+    row = {key: None for key in COLUMNS}
+    row.update(chip=chip.name, impl=impl, mode=mode, seq_len=problem.seq_len,
+               kv_len=problem.kv_len or problem.seq_len, batch=problem.batch, heads=problem.heads,
+               kv_heads=problem.kv_heads or problem.heads, head_dim=problem.head_dim, dtype=problem.dtype,
+               causal=problem.causal, window=problem.window, softcap=problem.softcap,
+               segments=problem.segments, label=LABEL, jax_version=jax_version,
+               libtpu_version=libtpu_version)
+    device = topology_device(chip)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    q_shape, kv_shape = problem.shapes()
+    dtype = jnp.dtype(problem.dtype)
+    args = [jax.ShapeDtypeStruct(q_shape, dtype, sharding=sharding),
+            jax.ShapeDtypeStruct(kv_shape, dtype, sharding=sharding),
+            jax.ShapeDtypeStruct(kv_shape, dtype, sharding=sharding)]
+    if problem.segments:
+        args.append(jax.ShapeDtypeStruct(q_shape[:2], np.int32, sharding=sharding))
+    kwargs = dict(causal=problem.causal, window=problem.window, softcap=problem.softcap, impl=impl,
+                  **(options or {}))
+
+    def attend(q, k, v, *segments):
+        seg = segments[0] if segments else None
+        return tpuattn.attention(q, k, v, segment_ids=seg, **kwargs)
+
+    def loss(q, k, v, *segments):
+        return jnp.sum(attend(q, k, v, *segments).astype(jnp.float32))
+
+    fn = attend if mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
+    start = time.perf_counter()
+    with chips.target(chip):
+        try:
+            compiled = jax.jit(fn).lower(*args).compile()
+        except (UnsupportedInput, UnavailableImplementation) as error:
+            row.update(status="unsupported", error=str(error))
+            return row
+        except Exception as error:  # noqa: BLE001 - the compiler's own errors have many types
+            row.update(status="compile_error", error=_first_error_line(error),
+                       compile_s=time.perf_counter() - start)
+            return row
+    row["compile_s"] = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    parts = {key: getattr(memory, f"{key}_size_in_bytes", None) for key in ("argument", "output", "temp")}
+    row.update(status="ok", argument_bytes=parts["argument"], output_bytes=parts["output"],
+               temp_bytes=parts["temp"],
+               peak_hbm_bytes=sum(v for v in parts.values() if v is not None))
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    if cost:
+        row.update(flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
+                   optimal_seconds=cost.get("optimal_seconds"))
+    row["fusions"], row["custom_calls"] = _hlo_counts(compiled.as_text())
+    return row
+
+
+# ---------------------------------------------------------------------------- reports and the CLI
+def report(chip_names, impls, modes, problems, *, options: dict | None = None, progress: bool = True) -> list:
+    """Compile every (chip, impl, mode, problem); return the rows (``progress`` prints one line each)."""
+    rows = []
+    jobs = [(c, i, m, p) for c in chip_names for p in problems for i in impls for m in modes]
+    for n, (chip, impl, mode, problem) in enumerate(jobs, 1):
+        row = compile_row(chip, impl, mode, problem, (options or {}).get(impl))
+        rows.append(row)
+        if progress:
+            detail = f"{row['compile_s']:.1f} s" if row["compile_s"] is not None else ""
+            print(f"[{n}/{len(jobs)}] {chip} {impl} {mode} T={problem.seq_len}: {row['status']} {detail}",
+                  flush=True)
+    return rows
+
+
+def save(rows, out_dir) -> tuple:
+    """Write ``rows`` to ``out_dir/aot.csv`` and ``out_dir/aot.json``; return the two paths."""
+    import csv
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path = out / "aot.csv", out / "aot.json"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path.write_text(json.dumps({"label": LABEL, "rows": rows}, indent=1, default=str))
+    return csv_path, json_path
+
+
+def table(rows) -> str:
+    """One line per row: what compiled, its peak HBM and compile time, or why not."""
+    lines = [f"{'chip':<6} {'impl':<10} {'mode':<8} {'T':>6} {'status':<14} {'peak HBM MiB':>12} "
+             f"{'compile s':>9}  ({LABEL})"]
+    for r in rows:
+        peak = f"{r['peak_hbm_bytes'] / 2**20:12.1f}" if r["peak_hbm_bytes"] is not None else f"{'-':>12}"
+        secs = f"{r['compile_s']:9.1f}" if r["compile_s"] is not None else f"{'-':>9}"
+        why = f"  {r['error'][:90]}" if r["error"] else ""
+        lines.append(f"{r['chip']:<6} {r['impl']:<10} {r['mode']:<8} {r['seq_len']:>6} {r['status']:<14} "
+                     f"{peak} {secs}{why}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list:
+    import argparse
+
+    from tpuattn import chips
+    from tpuattn.measure.flops import MODES
+
+    parser = argparse.ArgumentParser(prog="python -m tpuattn.aot",
+                                     description="Compile tpuattn.attention for TPU chips (no TPU needed).")
+    parser.add_argument("--chips", default="v5e", help=f"comma-separated, from {','.join(chips.NAMES)}")
+    parser.add_argument("--impls", default="xla,pallas,splash")
+    parser.add_argument("--seq-lens", default="2048")
+    parser.add_argument("--modes", default="fwd", help=f"comma-separated, from {','.join(MODES)}")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", choices=("true", "false"), default="true")
+    parser.add_argument("--out", default="out/aot")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if not tpu_available():
+        parser.error('libtpu is not installed: pip install "jax[tpu]==<your JAX version>" '
+                     "(the compile-only TPU devices come with it)")
+    split = lambda text: [item for item in text.split(",") if item]
+    problems = [Problem(seq_len=int(t), batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+                        head_dim=args.head_dim, dtype=args.dtype, causal=args.causal == "true")
+                for t in split(args.seq_lens)]
+    rows = report(split(args.chips), split(args.impls), split(args.modes), problems,
+                  progress=not args.no_progress)
+    print(table(rows))
+    print("wrote", *save(rows, args.out))
+    return rows
