@@ -15,16 +15,13 @@ Options:
     ``False`` force it; ``"simulate"`` runs the TPU simulator with race detection (read the
     verdict with :func:`races_found`); a ``pltpu.InterpretParams`` is used as given.
 
-Public API (stable; notebook 03 and ``visualize.py`` use it):
+Public names (the submodules hold the rest):
   * :class:`BlockSizes`, :class:`ForwardBlocks`, :class:`BackwardBlocks`, :func:`default_block_sizes`,
-    :func:`forward_vmem_bytes`, :func:`backward_vmem_bytes` -- block sizes (``blocks.py``);
+    :func:`forward_vmem_bytes`, :func:`backward_vmem_bytes` -- block sizes and the one VMEM model;
   * :func:`kv_schedule` -> :class:`ScheduleCounts` -- blocks computed / fetched per pass, counted
-    from the kernel's own schedule and index maps; :func:`build_schedule`, :func:`position_map`,
-    :func:`forward_index_maps`, :func:`dkv_index_maps`, :func:`walk_grid` (``plan.py``);
-  * :func:`flash_forward` (out and logsumexp terms), :func:`flash_backward` (dq, dk, dv) -- the
-    kernels' drivers (``forward.forward`` and ``backward.backward``; the submodules keep their names);
-  * :func:`pallas_attention` -- the registered implementation; :func:`resolve_interpret`;
-  * :func:`races_found`, :func:`reset_races`, :func:`vmem_capacity_bytes` (``compat.py``).
+    from the kernel's own schedule and index maps (``plan.py``);
+  * :func:`flash_forward` (out and logsumexp terms), :func:`flash_backward` (dq, dk, dv);
+  * :func:`resolve_interpret`, :func:`races_found`, :func:`reset_races`.
 
 Design in one paragraph each:
   * Layout: the contract's ``[batch, seq, heads, head_dim]`` is transposed to
@@ -37,14 +34,15 @@ Design in one paragraph each:
   * GQA/MQA: index maps send query head ``h`` to kv head ``h // group``; the dK/dV grid runs
     over kv heads with the group's query heads as an ``arbitrary`` axis, so dK/dV are summed
     in VMEM and K/V are never repeated.
-  * Backward: FlashAttention-2, a dQ kernel (kv loop) and a dK/dV kernel (q loop), with the
-    logsumexp saved as (max, log sum) for precision; see ``backward.py`` for the delta.
+  * Backward: FlashAttention-2 as three passes (row sums of P * dP, dQ, dK/dV), with the
+    logsumexp saved as (max, log sum) for precision; see ``backward.py`` for why delta is the row
+    sum of P * dP.
 
-Files: ``compat.py`` (JAX 0.7.2 vs 0.10.2), ``blocks.py``, ``plan.py``, ``forward.py``,
-``backward.py``, ``vjp.py`` (custom VJP and options).
+Files: ``compat.py`` (JAX 0.7.2 vs 0.10.2 only), ``blocks.py`` (sizes, VMEM model, defaults),
+``layout.py`` (padding, kernel layout, tile masks), ``plan.py`` (schedule tables, index maps, the
+step guard, counts), ``forward.py``, ``backward.py``, ``vjp.py`` (custom VJP and options).
 """
 
-from tpuattn.pallas import compat
 from tpuattn.pallas.backward import backward as flash_backward
 from tpuattn.pallas.blocks import (
     BackwardBlocks,
@@ -54,47 +52,27 @@ from tpuattn.pallas.blocks import (
     default_block_sizes,
     forward_vmem_bytes,
 )
-from tpuattn.pallas.compat import races_found, reset_races, vmem_capacity_bytes
+from tpuattn.pallas.compat import races_found, reset_races
 from tpuattn.pallas.forward import forward as flash_forward
-from tpuattn.pallas.plan import (
-    Schedule,
-    ScheduleCounts,
-    build_schedule,
-    dkv_index_maps,
-    forward_index_maps,
-    kv_schedule,
-    position_map,
-    walk_grid,
-)
+from tpuattn.pallas.plan import ScheduleCounts, kv_schedule
 from tpuattn.pallas.vjp import OPTIONS, pallas_attention, resolve_interpret
 from tpuattn.registry import register
 
 __all__ = [
-    "OPTIONS",
     "BackwardBlocks",
     "BlockSizes",
     "ForwardBlocks",
-    "Schedule",
     "ScheduleCounts",
     "backward_vmem_bytes",
-    "build_schedule",
     "default_block_sizes",
-    "compat",
-    "dkv_index_maps",
     "flash_backward",
     "flash_forward",
-    "forward_index_maps",
     "forward_vmem_bytes",
     "kv_schedule",
-    "pallas_attention",
-    "position_map",
     "races_found",
     "reset_races",
     "resolve_interpret",
-    "vmem_capacity_bytes",
-    "walk_grid",
 ]
-
 
 
 def _default_forward_blocks(spec, vmem_bytes=None) -> tuple[int, int]:

@@ -1,37 +1,40 @@
-"""The backward kernels (FlashAttention-2 style), using the saved logsumexp.
+"""The backward kernels (FlashAttention-2 style), recomputing each tile from the saved logsumexp.
 
-With ``P = exp(S - logsumexp)`` recomputed block by block and ``delta = rowsum(dO * O)``
-(computed in JAX before the kernels):
+With ``P = exp(S - logsumexp)`` recomputed block by block:
 
-    dV = P^T dO        dP = dO V^T        dS = P * (dP - delta)
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - delta)        delta = rowsum(P * dP)
     dQ = scale * dS' K                    dK = scale * dS'^T Q
 
 where ``dS' = dS * (1 - tanh^2)`` with a softcap (the derivative of ``c tanh(x / c)``).
 
-Two kernels, so that every output block is owned by one grid cell and no atomics are needed:
+Three passes, so that every output block is owned by one grid cell and no atomics are needed
+(a TPU kernel has none; FlashAttention-2 on a GPU instead adds dQ atomically from one kernel):
 
-* **dK/dV** -- grid ``(batch, kv_head, kv_block, group_member, q_step)``. Each cell owns one
-  key/value block of one kv head and loops over the query heads of its GQA group and the
-  query blocks the schedule says can see it (the last two axes are the reduction:
-  ``arbitrary``), summing into float32 VMEM scratch; so dK and dV come out already summed
-  over the group and K/V are never repeated. It works on the transposed scores
-  ``S^T = K Q^T`` ``[block_kv, block_q]`` so that logsumexp and delta, stored as rows
-  ``[.., 1 or 2, q_len]``, broadcast along sublanes without a transpose.
-* **dQ** -- grid ``(batch, q_head, q_block, kv_step)`` with the forward's schedule (built for
-  the backward block sizes): one query block accumulates over its visible kv blocks.
+1. **row sums** -- the dQ grid, computing only ``delta = rowsum(P * dP)`` per query row;
+2. **dQ** -- grid ``(batch, q_head, q_block, kv_step)`` with the forward's schedule (built for
+   the backward block sizes): one query block accumulates over its visible kv blocks;
+3. **dK/dV** -- grid ``(batch, kv_head, kv_block, group_member, q_step)``. Each cell owns one
+   key/value block of one kv head and loops over the query heads of its GQA group and the
+   query blocks the schedule says can see it (the last two axes are the reduction:
+   ``arbitrary``), summing into float32 VMEM scratch; so dK and dV come out already summed
+   over the group and K/V are never repeated. It works on the transposed scores
+   ``S^T = K Q^T`` ``[block_kv, block_q]`` so that logsumexp and delta, stored as rows
+   ``[.., 1 or 2, q_len]``, broadcast along sublanes without a transpose.
 
-Both skip hidden tiles exactly as the forward does (scalar-prefetched schedule, clamped
-index maps, ``pl.when``).
+All skip hidden tiles exactly as the forward does (:func:`tpuattn.pallas.plan.scheduled_step`).
 
-Which delta. The dQ pass uses ``delta = rowsum(dO * O)`` from JAX (it needs the value before
-it has seen the row's tiles). As a by-product it also sums ``rowsum(P * dP)`` over the very
-``P`` and ``dP`` tiles it computes (two VPU ops per tile, no matmul) and the dK/dV pass uses that
-as its delta. The two are equal in exact arithmetic; in float32 they differ by the rounding
-of ``dP``, and for a row whose softmax is one-hot ``dP_ij - delta_i`` must cancel exactly --
-which only the second guarantees. ``dK = sum_i dS_ij q_i`` multiplies that residue by
-``|q|``: with logits near 1e3 (``q`` entries ~100) ``rowsum(dO * O)`` left dK errors of
-1.6e-4 where the materialised reference (autodiff) is at 8.8e-5; with the row sums the
-kernel matches the reference (the shared suite's ``logits-1e3-spread-causal`` case).
+Which delta. ``rowsum(dO * O)`` equals ``rowsum(P * dP)`` in exact arithmetic and costs no pass,
+but ``O`` is rounded (to bf16 for bf16 inputs; by float32 for logits near 1e3), and for a row whose
+softmax is nearly one-hot ``dP_ij - delta_i`` must cancel to a small number -- which only the sum
+of the very ``P * dP`` tiles the kernels compute guarantees. With ``rowsum(dO * O)``, bf16 dQ on such
+rows was far less accurate than autodiff of the materialised reference, and float32 dK missed the
+oracle at logits of 1e3 (the oracle suite's large-logit case).
+
+The price is pass 1: per visible tile it re-reads K and V and does two matmuls (``Q K^T`` and
+``dO V^T``) on top of the seven of passes 2 and 3 (about 2/7 more backward FLOPs), and writes delta
+as a lane-replicated ``[batch, heads, q_len, 128]`` float32 array. Folding it into the dQ kernel as a
+first sweep over the kv blocks would save that array and one launch, not the matmuls or the K/V
+reads; a separate pass keeps each kernel one loop.
 """
 
 from __future__ import annotations
@@ -40,14 +43,22 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from tpuattn.impl.common import matmul_precision
-from tpuattn.pallas import compat
-from tpuattn.pallas import plan as schedule
-from tpuattn.pallas.blocks import LANES, SUBLANES
-from tpuattn.pallas.forward import NT_DIMS, pad_axis, segment_layouts, tile_visibility, to_kernel_layout
-
-pl, pltpu = compat.pl, compat.pltpu
+from tpuattn._checks import round_up
+from tpuattn.impl.common import matmul_precision, pad_to_multiple
+from tpuattn.pallas import compat, plan
+from tpuattn.pallas.layout import (
+    LANES,
+    NT_DIMS,
+    SUBLANES,
+    from_kernel_layout,
+    padded_head_dim,
+    segment_layouts,
+    tile_visibility,
+    to_kernel_layout,
+)
 
 
 def _softcap_grad(s_scaled, softcap):
@@ -58,25 +69,21 @@ def _softcap_grad(s_scaled, softcap):
     return softcap * t, 1.0 - t * t
 
 
-# --------------------------------------------------------------------------- dQ
-def _dq_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, scale, softcap,
-               block_q, block_kv, has_segments, precision):
-    if has_segments:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-         dq_ref, row_sum_ref, acc_ref, row_sum_acc) = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, row_sum_ref, acc_ref, row_sum_acc = refs
-        q_seg_ref = kv_seg_ref = None
+# --------------------------------------------------------------------------- row sums and dQ
+def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_segments, precision,
+               row_sums_only):
+    """Pass 1 (``row_sums_only``: writes rowsum(P * dP)) or pass 2 (reads it as delta, writes dQ)."""
+    prefetch, inputs, (q_seg_ref, kv_seg_ref), (out_ref, acc_ref) = plan.split_refs(
+        refs, 5 if row_sums_only else 6, has_segments)
+    q_ref, k_ref, v_ref, do_ref, lse_ref = inputs[:5]
+    delta_ref = None if row_sums_only else inputs[5]
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    row = b if sched.per_batch else 0
-    flat = (row * sched.num_outer + i) * sched.steps + step
 
     @pl.when(step == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        row_sum_acc[...] = jnp.zeros(row_sum_acc.shape, jnp.float32)
 
-    def update(apply_mask: bool):
+    def update(kv_block, apply_mask: bool):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
         s, dcap = _softcap_grad(s * scale, softcap)
@@ -84,47 +91,39 @@ def _dq_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, scale, 
         p = jnp.exp((s - lse_ref[:, 0:1]) - lse_ref[:, 1:2])
         if apply_mask:
             segments = (q_seg_ref[:, :1], kv_seg_ref[:1, :]) if has_segments else ()
-            keep = tile_visibility(mask, s.shape, i * block_q, index_ref[flat] * block_kv, *segments)
+            keep = tile_visibility(mask, s.shape, i * block_q, kv_block * block_kv, *segments)
             p = jnp.where(keep, p, 0.0)
         dp = jax.lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-        # rowsum(P * dP) from these very tiles: the dK/dV pass uses it as its delta (see backward).
-        row_sum_acc[...] += jnp.sum(p * dp, axis=1, keepdims=True)
+        if row_sums_only:  # the same sum in every lane: the output is delta, lane-replicated
+            acc_ref[...] += jnp.sum(p * dp, axis=1, keepdims=True)
+            return
         ds = p * (dp - delta_ref[:, :1])
         if dcap is not None:
             ds = ds * dcap
         acc_ref[...] += scale * jnp.dot(ds.astype(k.dtype), k, precision=precision,
                                         preferred_element_type=jnp.float32)
 
-    active = step < count_ref[row * sched.num_outer + i]
-    needs_mask = needs_mask_ref[flat] != 0
-    pl.when(jnp.logical_and(active, needs_mask))(lambda: update(True))
-    pl.when(jnp.logical_and(active, jnp.logical_not(needs_mask)))(lambda: update(False))
+    plan.scheduled_step(sched, prefetch, b, i, step, update)
 
     @pl.when(step == sched.steps - 1)
     def _finish():
-        dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
-        row_sum_ref[...] = row_sum_acc[...]
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
 # --------------------------------------------------------------------------- dK/dV
-def _dkv_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, scale, softcap,
-                block_q, block_kv, group_size, has_segments, precision):
-    if has_segments:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-         dk_ref, dv_ref, dk_acc, dv_acc) = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs
-        q_seg_ref = kv_seg_ref = None
+def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, group_size, has_segments,
+                precision):
+    prefetch, inputs, (q_seg_ref, kv_seg_ref), (dk_ref, dv_ref, dk_acc, dv_acc) = plan.split_refs(
+        refs, 6, has_segments)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     b, j, member, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    row = b if sched.per_batch else 0
-    flat = (row * sched.num_outer + j) * sched.steps + step
 
     @pl.when(jnp.logical_and(member == 0, step == 0))
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    def update(apply_mask: bool):
+    def update(q_block, apply_mask: bool):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         # Transposed scores [block_kv, block_q]: logsumexp and delta are rows [1, block_q].
         st = jax.lax.dot_general(k, q, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
@@ -132,7 +131,7 @@ def _dkv_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, scale,
         pt = jnp.exp((st - lse_ref[0:1, :]) - lse_ref[1:2, :])  # rows: m, log l
         if apply_mask:
             segments = (q_seg_ref[:1, :], kv_seg_ref[:, :1]) if has_segments else ()
-            keep = tile_visibility(mask, st.shape, index_ref[flat] * block_q, j * block_kv, *segments,
+            keep = tile_visibility(mask, st.shape, q_block * block_q, j * block_kv, *segments,
                                    transposed=True)
             pt = jnp.where(keep, pt, 0.0)
         dv_acc[...] += jnp.dot(pt.astype(do.dtype), do, precision=precision,
@@ -144,10 +143,7 @@ def _dkv_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, scale,
         dk_acc[...] += scale * jnp.dot(dst.astype(q.dtype), q, precision=precision,
                                        preferred_element_type=jnp.float32)
 
-    active = step < count_ref[row * sched.num_outer + j]
-    needs_mask = needs_mask_ref[flat] != 0
-    pl.when(jnp.logical_and(active, needs_mask))(lambda: update(True))
-    pl.when(jnp.logical_and(active, jnp.logical_not(needs_mask)))(lambda: update(False))
+    plan.scheduled_step(sched, prefetch, b, j, step, update)
 
     @pl.when(jnp.logical_and(member == group_size - 1, step == sched.steps - 1))
     def _finish():
@@ -155,96 +151,110 @@ def _dkv_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, scale,
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-# --------------------------------------------------------------------------- driver
-def backward(q, k, v, segment_ids, out, lse, d_out, spec, blocks, interpret):
-    """dQ, dK, dV (contract layout, input dtypes) from the forward's output and logsumexp.
+# --------------------------------------------------------------------------- the passes
+class _Problem:
+    """What the three passes share: blocks, padded operands, segment layouts, the position map."""
 
-    ``lse`` is the forward's ``[b, h, q_len, 2]`` pair (max, log sum).
+    def __init__(self, q, k, v, segment_ids, lse, d_out, spec, blocks, interpret):
+        bb = blocks.clamp(spec.q_len, spec.kv_len)
+        self.spec, self.interpret = spec, interpret
+        self.bq, self.bk = bb.block_q, bb.block_kv
+        self.tq, self.tk = round_up(spec.q_len, self.bq), round_up(spec.kv_len, self.bk)
+        self.d = padded_head_dim(spec.head_dim)
+        self.qp, self.kp, self.vp, self.dop = (to_kernel_layout(x, block) for x, block in
+                                               ((q, self.bq), (k, self.bk), (v, self.bk), (d_out, self.bq)))
+        # Padded query rows: logsumexp 0 and dO 0, so their P is finite and their dS is 0.
+        self.lse = pad_to_multiple(lse, 2, self.bq)  # [b, h, tq, 2]
+        self.segs = segment_layouts(segment_ids, self.bq, self.bk) if segment_ids is not None else None
+        self.pos_map = plan.position_map(spec.mask, self.bq, self.bk, self.tq, self.tk)
+        self.kernel_args = dict(mask=spec.mask, scale=spec.scale, softcap=spec.softcap, block_q=self.bq,
+                                block_kv=self.bk, has_segments=self.segs is not None,
+                                precision=matmul_precision(q.dtype))
 
-    ``blocks`` is a :class:`~tpuattn.pallas.blocks.BackwardBlocks`; both passes share it.
-    """
-    bb = blocks.clamp(spec.q_len, spec.kv_len)
-    bq, bk = bb.block_q, bb.block_kv
-    tq, tk = -(-spec.q_len // bq) * bq, -(-spec.kv_len // bk) * bk
-    d = -(-spec.head_dim // LANES) * LANES
-    nq, nk = tq // bq, tk // bk
-    group = spec.group_size
-    qp, kp, vp, dop = (to_kernel_layout(x, n, d) for x, n in ((q, tq), (k, tk), (v, tk), (d_out, tq)))
-    # delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: the softmax backward's row term (dQ pass).
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    # Padded query rows: logsumexp 0 and dO 0, so their P is finite and their dS is 0.
-    lse_p, delta_p = pad_axis(lse, 2, tq), pad_axis(delta, 2, tq)  # [b, h, tq, 2], [b, h, tq]
-    precision = matmul_precision(q.dtype)
-    common = dict(mask=spec.mask, scale=spec.scale, softcap=spec.softcap, block_q=bq, block_kv=bk,
-                  has_segments=segment_ids is not None, precision=precision)
-    segs = segment_layouts(segment_ids, tq, tk) if segment_ids is not None else None
-    pos_map = schedule.position_map(spec.mask, bq, bk, tq, tk)
+    def overlap(self, transpose=False):
+        if self.segs is None:
+            return None
+        return plan.segment_overlap(self.segs["q"], self.segs["kv"], self.bq, self.bk, transpose=transpose)
 
-    # ---- dQ: the forward's grid and schedule.
-    overlap = None if segs is None else schedule.segment_overlap(segs["q"], segs["kv"], bq, bk)
-    sched = schedule.build_schedule(pos_map, overlap)
-    maps = schedule.forward_index_maps(sched, group)
-    lse_col = pad_axis(lse_p, 3, LANES)
-    delta_col = jnp.broadcast_to(delta_p[..., None], (*delta_p.shape, LANES))
+
+def _q_major_pass(pb: _Problem, delta_col=None):
+    """Passes 1 and 2 on the forward's grid: rowsum(P * dP) when ``delta_col`` is None, else dQ."""
+    spec, bq, bk, d = pb.spec, pb.bq, pb.bk, pb.d
+    row_sums_only = delta_col is None
+    sched = plan.build_schedule(pb.pos_map, pb.overlap())
+    maps = plan.forward_index_maps(sched, spec.group_size)
+    lse_col = pad_to_multiple(pb.lse, 3, LANES)  # [b, h, tq, 128]: lanes 0, 1 = m, log l
     in_specs = [pl.BlockSpec((None, None, bq, d), maps["q"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"]),
                 pl.BlockSpec((None, None, bq, d), maps["q"]),
-                pl.BlockSpec((None, None, bq, LANES), maps["q"]),
                 pl.BlockSpec((None, None, bq, LANES), maps["q"])]
-    operands = [qp, kp, vp, dop, lse_col, delta_col]
-    if segs is not None:
+    operands = [pb.qp, pb.kp, pb.vp, pb.dop, lse_col]
+    if not row_sums_only:
+        in_specs.append(pl.BlockSpec((None, None, bq, LANES), maps["q"]))
+        operands.append(delta_col)
+    if pb.segs is not None:
         in_specs += [pl.BlockSpec((None, bq, LANES), maps["q_segment"]),
                      pl.BlockSpec((None, SUBLANES, bk), maps["kv_segment"])]
-        operands += [segs["q_col"], segs["kv_row"]]
-    dq, row_sum = pl.pallas_call(
-        functools.partial(_dq_kernel, sched=sched, **common),
+        operands += [pb.segs["q_col"], pb.segs["kv_row"]]
+    width, dtype = (LANES, jnp.float32) if row_sums_only else (d, pb.qp.dtype)
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, sched=sched, row_sums_only=row_sums_only, **pb.kernel_args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(spec.batch, spec.num_q_heads, nq, sched.steps),
+            num_scalar_prefetch=3, grid=(spec.batch, spec.num_q_heads, pb.tq // bq, sched.steps),
             in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, None, bq, d), maps["q"]),
-                       pl.BlockSpec((None, None, bq, LANES), maps["q"])],
-            scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype),
-                   jax.ShapeDtypeStruct(delta_col.shape, jnp.float32)],
-        compiler_params=compat.compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-        name="tpuattn_flash_dq",
+            out_specs=pl.BlockSpec((None, None, bq, width), maps["q"]),
+            scratch_shapes=[pltpu.VMEM((bq, width), jnp.float32)]),
+        out_shape=compat.out_struct((spec.batch, spec.num_q_heads, pb.tq, width), dtype, pb.qp),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=pb.interpret,
+        name="tpuattn_flash_row_sums" if row_sums_only else "tpuattn_flash_dq",
     )(*sched.arrays(), *operands)
 
-    # ---- dK/dV: kv-major schedule, the group's query heads looped inside; its delta is the
-    # dQ pass's rowsum(P * dP) (see the module docstring).
-    overlap_t = (None if segs is None
-                 else schedule.segment_overlap(segs["q"], segs["kv"], bq, bk, transpose=True))
-    sched_t = schedule.build_schedule(pos_map.T, overlap_t)
-    maps_t = schedule.dkv_index_maps(sched_t, group)
-    lse_row, delta_row = jnp.swapaxes(lse_p, 2, 3), row_sum[:, :, None, :, 0]
-    in_specs = [pl.BlockSpec((None, None, bq, d), maps_t["q"]),
-                pl.BlockSpec((None, None, bk, d), maps_t["kv"]),
-                pl.BlockSpec((None, None, bk, d), maps_t["kv"]),
-                pl.BlockSpec((None, None, bq, d), maps_t["q"]),
-                pl.BlockSpec((None, None, 2, bq), maps_t["q_row"]),
-                pl.BlockSpec((None, None, 1, bq), maps_t["q_row"])]
-    operands = [qp, kp, vp, dop, lse_row, delta_row]
-    if segs is not None:
-        in_specs += [pl.BlockSpec((None, SUBLANES, bq), maps_t["q_segment"]),
-                     pl.BlockSpec((None, bk, LANES), maps_t["kv_segment"])]
-        operands += [segs["q_row"], segs["kv_col"]]
-    kv_block_spec = pl.BlockSpec((None, None, bk, d), maps_t["kv"])
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, sched=sched_t, group_size=group, **common),
+
+def _dkv_pass(pb: _Problem, delta_row):
+    """Pass 3: dK, dV (kv-major schedule, the group's query heads looped inside)."""
+    spec, bq, bk, d, group = pb.spec, pb.bq, pb.bk, pb.d, pb.spec.group_size
+    sched = plan.build_schedule(pb.pos_map.T, pb.overlap(transpose=True))
+    maps = plan.dkv_index_maps(sched, group)
+    in_specs = [pl.BlockSpec((None, None, bq, d), maps["q"]),
+                pl.BlockSpec((None, None, bk, d), maps["kv"]),
+                pl.BlockSpec((None, None, bk, d), maps["kv"]),
+                pl.BlockSpec((None, None, bq, d), maps["q"]),
+                pl.BlockSpec((None, None, 2, bq), maps["q_row"]),
+                pl.BlockSpec((None, None, 1, bq), maps["q_row"])]
+    operands = [pb.qp, pb.kp, pb.vp, pb.dop, jnp.swapaxes(pb.lse, 2, 3), delta_row]
+    if pb.segs is not None:
+        in_specs += [pl.BlockSpec((None, SUBLANES, bq), maps["q_segment"]),
+                     pl.BlockSpec((None, bk, LANES), maps["kv_segment"])]
+        operands += [pb.segs["q_row"], pb.segs["kv_col"]]
+    kv_block_spec = pl.BlockSpec((None, None, bk, d), maps["kv"])
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, sched=sched, group_size=group, **pb.kernel_args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(spec.batch, spec.num_kv_heads, nk, group, sched_t.steps),
+            num_scalar_prefetch=3, grid=(spec.batch, spec.num_kv_heads, pb.tk // bk, group, sched.steps),
             in_specs=in_specs, out_specs=[kv_block_spec, kv_block_spec],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
-        compiler_params=compat.compiler_params(
-            ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
-        interpret=interpret,
+        out_shape=[compat.out_struct(pb.kp.shape, pb.kp.dtype, pb.kp),
+                   compat.out_struct(pb.vp.shape, pb.vp.dtype, pb.vp)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+        interpret=pb.interpret,
         name="tpuattn_flash_dkv",
-    )(*sched_t.arrays(), *operands)
+    )(*sched.arrays(), *operands)
 
-    def back(x, n):
-        return jnp.swapaxes(x[:, :, :n, : spec.head_dim], 1, 2)
 
-    return back(dq, spec.q_len), back(dk, spec.kv_len), back(dv, spec.kv_len)
+def backward(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret):
+    """dQ, dK, dV (contract layout, input dtypes) from the forward's logsumexp.
+
+    ``lse`` is the forward's ``[b, h, q_len, 2]`` pair (max, log sum); ``blocks`` a
+    :class:`~tpuattn.pallas.blocks.BackwardBlocks` shared by the three passes.
+    """
+    pb = _Problem(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret)
+    delta = _q_major_pass(pb)  # rowsum(P * dP): [b, h, tq, 128] float32, lane-replicated
+    dq = _q_major_pass(pb, delta_col=delta)
+    dk, dv = _dkv_pass(pb, delta_row=delta[:, :, None, :, 0])
+    return (from_kernel_layout(dq, spec.q_len, spec.head_dim),
+            from_kernel_layout(dk, spec.kv_len, spec.head_dim),
+            from_kernel_layout(dv, spec.kv_len, spec.head_dim))

@@ -18,26 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpuattn.pallas import compat
-
-SUBLANES, LANES = 8, 128
+from tpuattn import chips
+from tpuattn._checks import is_int, positive_int, round_up
+from tpuattn.pallas.layout import LANES, SUBLANES, padded_head_dim
 
 
 def _check(name: str, value, multiple_of: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value}")
+    value = positive_int(name, value)
     if value % multiple_of:
-        raise ValueError(
-            f"{name}: expected a multiple of {multiple_of} (the TPU tile is {SUBLANES} sublanes x {LANES} "
-            f"lanes), got {value}"
-        )
+        raise ValueError(f"{name}: expected a multiple of {multiple_of} (the TPU tile is {SUBLANES} sublanes "
+                         f"x {LANES} lanes), got {value}")
     return value
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +39,13 @@ class ForwardBlocks:
     block_kv: int = 128
 
     def __post_init__(self):
-        _check("block_sizes.forward.block_q", self.block_q, SUBLANES)
-        _check("block_sizes.forward.block_kv", self.block_kv, LANES)
+        object.__setattr__(self, "block_q", _check("block_sizes.forward.block_q", self.block_q, SUBLANES))
+        object.__setattr__(self, "block_kv", _check("block_sizes.forward.block_kv", self.block_kv, LANES))
 
     def clamp(self, q_len: int, kv_len: int) -> ForwardBlocks:
         """Blocks no larger than the sequences rounded up to the tile."""
-        return ForwardBlocks(min(self.block_q, _round_up(q_len, SUBLANES)),
-                             min(self.block_kv, _round_up(kv_len, LANES)))
+        return ForwardBlocks(min(self.block_q, round_up(q_len, SUBLANES)),
+                             min(self.block_kv, round_up(kv_len, LANES)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +56,12 @@ class BackwardBlocks:
     block_kv: int = 128
 
     def __post_init__(self):
-        _check("block_sizes.backward.block_q", self.block_q, LANES)
-        _check("block_sizes.backward.block_kv", self.block_kv, LANES)
+        object.__setattr__(self, "block_q", _check("block_sizes.backward.block_q", self.block_q, LANES))
+        object.__setattr__(self, "block_kv", _check("block_sizes.backward.block_kv", self.block_kv, LANES))
 
     def clamp(self, q_len: int, kv_len: int) -> BackwardBlocks:
-        return BackwardBlocks(min(self.block_q, _round_up(q_len, LANES)),
-                              min(self.block_kv, _round_up(kv_len, LANES)))
+        return BackwardBlocks(min(self.block_q, round_up(q_len, LANES)),
+                              min(self.block_kv, round_up(kv_len, LANES)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +90,8 @@ def as_block_sizes(value, head_dim: int, dtype) -> BlockSizes:
         return value
     if isinstance(value, ForwardBlocks):
         return BlockSizes(value, default_block_sizes(head_dim, dtype).backward)
-    if isinstance(value, int) and not isinstance(value, bool):
-        _check("block_sizes", value, LANES)
-        return BlockSizes.uniform(value)
+    if is_int(value):
+        return BlockSizes.uniform(_check("block_sizes", value, LANES))
     raise ValueError(
         f"block_sizes: expected None, an int (multiple of {LANES}), a BlockSizes or a ForwardBlocks, "
         f"got {value!r}"
@@ -164,9 +154,9 @@ def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None) -> 
     import jax.numpy as jnp
 
     if vmem_bytes is None:
-        vmem_bytes, _ = compat.vmem_capacity_bytes()
+        vmem_bytes, _ = chips.vmem_bytes()
     budget = vmem_budget_bytes(vmem_bytes)
-    d = _round_up(head_dim, LANES)
+    d = padded_head_dim(head_dim)
     itemsize = jnp.dtype(dtype).itemsize
 
     def pick(need):

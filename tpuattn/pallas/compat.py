@@ -1,18 +1,14 @@
-"""Everything that differs between the JAX versions we support (0.7.2 and 0.10.2).
+"""What differs between the JAX versions we support (0.7.2 and 0.10.2), and nothing else.
 
-The kernels import Pallas names from here only. Kept small on purpose: when a new
-JAX release moves something, this is the one file to touch.
-
-* compiler parameters: ``pltpu.CompilerParams`` (>= 0.6.1) or ``pltpu.TPUCompilerParams`` (older);
-* the VMEM memory space: ``pltpu.VMEM`` or ``pltpu.MemorySpace.VMEM`` (older: ``TPUMemorySpace``);
-* the chip's VMEM size: ``pltpu.get_tpu_info()`` exists only from 0.8.1; before that a table by device kind;
+* an output's varying mesh axes inside a ``shard_map``: ``ShapeDtypeStruct(..., manual_axis_type=)``
+  (0.10) or ``ShapeDtypeStruct(..., vma=)`` (0.7);
 * the TPU simulator's race flag: ``jax._src.pallas.mosaic.interpret.races`` (0.7.x, one module) or
   ``jax._src.pallas.mosaic.interpret.interpret_pallas_call.races`` (a package from 0.8).
 
-Checked and found the same in 0.7.2 and 0.10.2 (so not wrapped): ``pl.BlockSpec(block_shape,
-index_map, *, memory_space=...)`` with ``None`` for squeezed dimensions, ``pl.ANY``,
-``pltpu.PrefetchScalarGridSpec(num_scalar_prefetch, grid, in_specs, out_specs, scratch_shapes)``,
-``pltpu.InterpretParams(detect_races=...)``, and dimension semantics given as strings.
+Checked and found the same in 0.7.2 and 0.10.2 (so used directly, not wrapped):
+``pltpu.CompilerParams(dimension_semantics=...)`` with strings, ``pltpu.VMEM``,
+``pltpu.PrefetchScalarGridSpec``, ``pl.BlockSpec`` with ``None`` for squeezed dimensions,
+``pltpu.InterpretParams(detect_races=...)`` and ``pltpu.force_tpu_interpret_mode``.
 """
 
 from __future__ import annotations
@@ -20,61 +16,18 @@ from __future__ import annotations
 import importlib
 
 import jax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-
-__all__ = [
-    "ARBITRARY",
-    "PARALLEL",
-    "VMEM",
-    "InterpretParams",
-    "compiler_params",
-    "force_tpu_interpret_mode",
-    "pl",
-    "pltpu",
-    "race_state",
-    "races_found",
-    "reset_races",
-    "vmem_capacity_bytes",
-]
-
-# --------------------------------------------------------------------------- compiler params
-_CompilerParams = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
-
-# Grid dimension semantics: strings are accepted by every version we support.
-PARALLEL = "parallel"
-ARBITRARY = "arbitrary"
 
 
-def compiler_params(dimension_semantics, vmem_limit_bytes: int | None = None):
-    """Mosaic compiler parameters with the given grid dimension semantics."""
-    kwargs = {"dimension_semantics": tuple(dimension_semantics)}
-    if vmem_limit_bytes is not None:
-        kwargs["vmem_limit_bytes"] = int(vmem_limit_bytes)
-    return _CompilerParams(**kwargs)
+def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A ``pallas_call`` output shape typed, inside a ``shard_map``, as varying like ``like``.
 
-
-# --------------------------------------------------------------------------- memory spaces
-def _vmem():
-    if hasattr(pltpu, "VMEM"):
-        return pltpu.VMEM
-    space = getattr(pltpu, "MemorySpace", None) or pltpu.TPUMemorySpace
-    return space.VMEM
-
-
-VMEM = _vmem()
-
-# --------------------------------------------------------------------------- interpret mode
-InterpretParams = getattr(pltpu, "InterpretParams", None)
-force_tpu_interpret_mode = pltpu.force_tpu_interpret_mode
-
-
-def simulator_params(detect_races: bool = True):
-    """``pltpu.InterpretParams`` for the TPU simulator (race detection on by default)."""
-    if InterpretParams is None:  # pragma: no cover - both supported versions have it
-        raise RuntimeError(
-            f"the TPU simulator (pltpu.InterpretParams) needs a newer JAX, got {jax.__version__}")
-    return InterpretParams(detect_races=detect_races)
+    With shard_map's default checks an output's varying mesh axes must be given (JAX cannot infer
+    them through a kernel); outside a shard_map the field is empty, as for a plain struct.
+    """
+    aval = jax.typeof(like)
+    if hasattr(aval, "manual_axis_type"):  # JAX >= 0.8
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
+    return jax.ShapeDtypeStruct(shape, dtype, vma=getattr(aval, "vma", None))
 
 
 def race_state():
@@ -101,50 +54,3 @@ def reset_races() -> None:
     state = race_state()
     if state is not None:
         state.races_found = False
-
-
-# --------------------------------------------------------------------------- chip facts
-# VMEM per TensorCore by device kind, for JAX versions without ``pltpu.get_tpu_info``
-# (values from the chips' public specifications, as JAX >= 0.8.1 tabulates them).
-_MIB = 1024 * 1024
-VMEM_BY_DEVICE_KIND = (
-    ("v2", 16 * _MIB),
-    ("v3", 16 * _MIB),
-    ("v4", 16 * _MIB),
-    ("v5 lite", 128 * _MIB),
-    ("v5e", 128 * _MIB),
-    ("v5p", 64 * _MIB),
-    ("v5", 64 * _MIB),
-    ("v6 lite", 128 * _MIB),
-    ("v6e", 128 * _MIB),
-    ("v7", 64 * _MIB),
-    ("7x", 64 * _MIB),
-)
-# A chip we do not know (or no TPU at all): the smallest VMEM of any TPU generation.
-DEFAULT_VMEM_BYTES = 16 * _MIB
-
-
-def vmem_capacity_bytes(device=None) -> tuple[int, str]:
-    """VMEM bytes per TensorCore and where the number came from.
-
-    ``pltpu.get_tpu_info()`` when it exists (JAX >= 0.8.1) and the backend is a TPU; else a
-    table by device kind; else the conservative 16 MiB default.
-    """
-    if device is None:
-        device = jax.devices()[0]
-    if device.platform == "tpu":
-        get_info = getattr(pltpu, "get_tpu_info", None)
-        if get_info is not None:
-            try:
-                return int(get_info().vmem_capacity_bytes), "pltpu.get_tpu_info()"
-            except Exception:  # noqa: BLE001 - an unknown chip falls back to the table
-                pass
-        kind = device.device_kind.lower()
-        for key, size in VMEM_BY_DEVICE_KIND:
-            if key in kind:
-                return size, f"table ({device.device_kind})"
-    return DEFAULT_VMEM_BYTES, f"default (no TPU: {device.platform})"
-
-
-def on_tpu() -> bool:
-    return jax.default_backend() == "tpu"

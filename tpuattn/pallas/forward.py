@@ -5,9 +5,8 @@ Grid ``(batch, q_head, q_block, kv_step)``. The first three axes are independent
 VMEM scratch that lives across its steps, so it must run in order on one core
 (``arbitrary``) and be the last (fastest) axis.
 
-Layout inside the kernels: ``[batch, heads, seq, head_dim]`` so that a block's last two
-dimensions are (sequence, head_dim) -- the (sublane, lane) tile -- with head_dim padded to
-a multiple of 128 lanes and the sequences padded to their block multiples.
+The layout (``[batch, heads, seq, head_dim]``, padded to tiles) is :mod:`tpuattn.pallas.layout`'s;
+the schedule, index maps and step guard are :mod:`tpuattn.pallas.plan`'s.
 """
 
 from __future__ import annotations
@@ -16,76 +15,29 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
+from tpuattn._checks import round_up
 from tpuattn.impl.common import apply_softcap, matmul_precision
-from tpuattn.pallas import compat
-from tpuattn.pallas import plan as schedule
-from tpuattn.pallas.blocks import LANES, SUBLANES
-
-pl, pltpu = compat.pl, compat.pltpu
-
-# Contract dims (..., d) of both operands: q @ k^T without materialising k^T.
-NT_DIMS = (((1,), (1,)), ((), ()))
-
-
-def pad_axis(x, axis: int, size: int, *, edge: bool = False):
-    """Pad ``x`` along ``axis`` up to ``size`` (zeros, or repeating the last value)."""
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, mode="edge" if edge else "constant")
-
-
-def to_kernel_layout(x, seq_len_padded: int, head_dim_padded: int):
-    """``[batch, seq, heads, d]`` -> ``[batch, heads, seq_padded, d_padded]`` (zeros in the padding)."""
-    x = jnp.swapaxes(x, 1, 2)
-    return pad_axis(pad_axis(x, 2, seq_len_padded), 3, head_dim_padded)
-
-
-def segment_layouts(segment_ids, tq: int, tk: int):
-    """Padded segment ids as lane columns ``[b, t, 128]`` and sublane rows ``[b, 8, t]``.
-
-    A kernel compares a column of query ids with a row of key ids; both are kept as
-    full (8, 128)-aligned tiles so the BlockSpecs obey the TPU tiling rule.
-    """
-    q_seg, kv_seg = (pad_axis(s, 1, n, edge=True) for s, n in zip(segment_ids, (tq, tk), strict=True))
-
-    def column(s):
-        return jnp.broadcast_to(s[:, :, None], (*s.shape, LANES))
-
-    def row(s):
-        return jnp.broadcast_to(s[:, None, :], (s.shape[0], SUBLANES, s.shape[1]))
-
-    return {"q": q_seg, "kv": kv_seg, "q_col": column(q_seg), "q_row": row(q_seg),
-            "kv_col": column(kv_seg), "kv_row": row(kv_seg)}
-
-
-def tile_visibility(mask, shape, q_start, kv_start, q_seg=None, kv_seg=None, *, transposed=False):
-    """Which elements of one score tile the mask keeps, from iotas inside the kernel.
-
-    The tile is ``[block_q, block_kv]`` (queries on sublanes), or its transpose when
-    ``transposed`` (keys on sublanes, as in the dK/dV kernel). ``q_seg``/``kv_seg`` are the
-    tile's segment ids already laid out to broadcast against it.
-    """
-    q_axis, kv_axis = (1, 0) if transposed else (0, 1)
-    q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
-    kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, shape, kv_axis)
-    return mask.visible(q_idx, kv_idx, q_seg, kv_seg, xp=jnp)
+from tpuattn.pallas import compat, plan
+from tpuattn.pallas.layout import (
+    LANES,
+    NT_DIMS,
+    SUBLANES,
+    from_kernel_layout,
+    padded_head_dim,
+    segment_layouts,
+    tile_visibility,
+    to_kernel_layout,
+)
 
 
 # --------------------------------------------------------------------------- kernel
-def _forward_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, scale, softcap,
-                    block_q, block_kv, has_segments, precision):
-    if has_segments:
-        q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-    else:
-        q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-        q_seg_ref = kv_seg_ref = None
+def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_segments, precision):
+    prefetch, (q_ref, k_ref, v_ref), (q_seg_ref, kv_seg_ref), rest = plan.split_refs(refs, 3, has_segments)
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    row = b if sched.per_batch else 0
-    flat = (row * sched.num_outer + i) * sched.steps + step
 
     # Running max m and sum l are kept lane-replicated ([block_q, 128]) and in float32: exp and
     # the long sum lose too much in bfloat16, and the scratch persists across the kv steps.
@@ -95,13 +47,13 @@ def _forward_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, sc
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def update(apply_mask: bool):
+    def update(kv_block, apply_mask: bool):
         q, k, v = q_ref[...], k_ref[...], v_ref[...]
         s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
         s = apply_softcap(s * scale, softcap)
         if apply_mask:
             segments = (q_seg_ref[:, :1], kv_seg_ref[:1, :]) if has_segments else ()
-            keep = tile_visibility(mask, s.shape, i * block_q, index_ref[flat] * block_kv, *segments)
+            keep = tile_visibility(mask, s.shape, i * block_q, kv_block * block_kv, *segments)
             s = jnp.where(keep, s, -jnp.inf)
         m_prev, l_prev = m_ref[...], l_ref[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -115,15 +67,14 @@ def _forward_kernel(index_ref, needs_mask_ref, count_ref, *refs, sched, mask, sc
         pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
         acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
 
-    active = step < count_ref[row * sched.num_outer + i]
-    needs_mask = needs_mask_ref[flat] != 0
-    pl.when(jnp.logical_and(active, needs_mask))(lambda: update(True))
-    pl.when(jnp.logical_and(active, jnp.logical_not(needs_mask)))(lambda: update(False))
+    plan.scheduled_step(sched, prefetch, b, i, step, update)
 
     @pl.when(step == sched.steps - 1)
     def _finish():
         m, l_sum = m_ref[...], l_ref[...]
-        seen = l_sum > 0  # rows that saw no key output zeros
+        # Rows that saw no key (l = 0) output zeros; a NaN l (a NaN among the row's keys) must
+        # propagate, so the test is "l != 0", not "l > 0".
+        seen = l_sum != 0
         o_ref[...] = jnp.where(seen[:, :1], acc_ref[...] / jnp.where(seen, l_sum, 1.0)[:, :1],
                                0.0).astype(o_ref.dtype)
         # The logsumexp m + log(l) is saved as its two terms (lane 0: m, lane 1: log l): with
@@ -146,17 +97,17 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret):
     """
     fb = blocks.clamp(spec.q_len, spec.kv_len)
     bq, bk = fb.block_q, fb.block_kv
-    tq, tk = -(-spec.q_len // bq) * bq, -(-spec.kv_len // bk) * bk
-    d = -(-spec.head_dim // LANES) * LANES
+    tq, tk = round_up(spec.q_len, bq), round_up(spec.kv_len, bk)
+    d = padded_head_dim(spec.head_dim)
     nq = tq // bq
-    qp, kp, vp = (to_kernel_layout(x, n, d) for x, n in ((q, tq), (k, tk), (v, tk)))
+    qp, kp, vp = to_kernel_layout(q, bq), to_kernel_layout(k, bk), to_kernel_layout(v, bk)
 
     overlap, segs = None, None
     if segment_ids is not None:
-        segs = segment_layouts(segment_ids, tq, tk)
-        overlap = schedule.segment_overlap(segs["q"], segs["kv"], bq, bk)
-    sched = schedule.build_schedule(schedule.position_map(spec.mask, bq, bk, tq, tk), overlap)
-    maps = schedule.forward_index_maps(sched, spec.group_size)
+        segs = segment_layouts(segment_ids, bq, bk)
+        overlap = plan.segment_overlap(segs["q"], segs["kv"], bq, bk)
+    sched = plan.build_schedule(plan.position_map(spec.mask, bq, bk, tq, tk), overlap)
+    maps = plan.forward_index_maps(sched, spec.group_size)
 
     in_specs = [pl.BlockSpec((None, None, bq, d), maps["q"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"]),
@@ -168,8 +119,8 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret):
         operands += [segs["q_col"], segs["kv_row"]]
     out_specs = [pl.BlockSpec((None, None, bq, d), maps["q"]),
                  pl.BlockSpec((None, None, bq, LANES), maps["q"])]
-    out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.num_q_heads, tq, d), q.dtype),
-                 jax.ShapeDtypeStruct((spec.batch, spec.num_q_heads, tq, LANES), jnp.float32)]
+    out_shape = [compat.out_struct((spec.batch, spec.num_q_heads, tq, d), q.dtype, qp),
+                 compat.out_struct((spec.batch, spec.num_q_heads, tq, LANES), jnp.float32, qp)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(spec.batch, spec.num_q_heads, nq, sched.steps),
@@ -190,13 +141,10 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret):
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
-        compiler_params=compat.compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         cost_estimate=cost,
         name="tpuattn_flash_forward",
     )(*sched.arrays(), *operands)
-    out = jnp.swapaxes(out[:, :, : spec.q_len, : spec.head_dim], 1, 2)
-    return out, lse[:, :, : spec.q_len, :2]
-
-
-__all__ = ["forward", "pad_axis", "segment_layouts", "to_kernel_layout"]
+    return from_kernel_layout(out, spec.q_len, spec.head_dim), lse[:, :, : spec.q_len, :2]

@@ -35,13 +35,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
+from tpuattn._checks import round_up
 from tpuattn.pallas.blocks import as_block_sizes
-from tpuattn.spec import EMPTY, FULL
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
+from tpuattn.pallas.layout import padded_segment_ids
+from tpuattn.spec import EMPTY, FULL, PARTIAL
 
 
 # --------------------------------------------------------------------------- building
@@ -65,8 +64,8 @@ class Schedule:
     def arrays(self):
         return self.index, self.needs_mask, self.count
 
-    def row(self, b: int) -> int:
-        """The schedule row used by batch element ``b``."""
+    def row(self, b):
+        """The schedule row used by batch element ``b`` (a Python int or a traced program id)."""
         return b if self.per_batch else 0
 
 
@@ -122,15 +121,51 @@ def build_schedule(pos_map: np.ndarray, overlap=None) -> Schedule:
                     num_outer=num_outer, num_inner=num_inner, steps=steps, per_batch=overlap is not None)
 
 
+# --------------------------------------------------------------------------- inside a kernel
+def _flat(sched: Schedule, b, outer, step):
+    """Position of grid step ``step`` of outer block ``outer`` (batch ``b``) in the flat tables."""
+    return (sched.row(b) * sched.num_outer + outer) * sched.steps + step
+
+
+def visited_block(sched: Schedule, index_ref, b, outer, step):
+    """The inner block grid step ``step`` of outer block ``outer`` names (read from SMEM): what every
+    streamed operand's index map returns, and what the kernel body computes on."""
+    return index_ref[_flat(sched, b, outer, step)]
+
+
+def split_refs(refs, num_inputs: int, has_segments: bool):
+    """A kernel's refs as ``(prefetch, inputs, (q_seg, kv_seg), outputs and scratch)``.
+
+    The three scalar-prefetch tables come first, then ``num_inputs`` inputs, then the two
+    segment-id refs when there are segments (``(None, None)`` otherwise), then the rest.
+    """
+    prefetch, inputs, rest = refs[:3], refs[3:3 + num_inputs], refs[3 + num_inputs:]
+    if has_segments:
+        return prefetch, inputs, tuple(rest[:2]), rest[2:]
+    return prefetch, inputs, (None, None), rest
+
+
+def scheduled_step(sched: Schedule, prefetch_refs, b, outer, step, update) -> None:
+    """Run ``update(inner, apply_mask)`` at a grid step the schedule computes; skip the others.
+
+    ``inner`` is the block this step visits, read from the scalar-prefetched index table (in SMEM).
+    Steps past the outer block's count are idle: their index maps already name the resident block
+    (no DMA) and ``pl.when`` skips the compute. PARTIAL and FULL tiles take separate branches, so a
+    FULL tile pays no mask arithmetic.
+    """
+    index_ref, needs_mask_ref, count_ref = prefetch_refs
+    flat = _flat(sched, b, outer, step)
+    active = step < count_ref[sched.row(b) * sched.num_outer + outer]
+    needs_mask = needs_mask_ref[flat] != 0
+    inner = index_ref[flat]
+    pl.when(jnp.logical_and(active, needs_mask))(lambda: update(inner, True))
+    pl.when(jnp.logical_and(active, jnp.logical_not(needs_mask)))(lambda: update(inner, False))
+
+
 # --------------------------------------------------------------------------- index maps
 # The kernels' BlockSpec index maps. Grid of the forward and dQ passes: (batch, q_head,
 # q_block, kv_step); grid of the dK/dV pass: (batch, kv_head, kv_block, group_member, q_step).
 # The trailing arguments are the scalar-prefetch refs (index, needs_mask, count).
-def _flat(sched: Schedule, b, outer, step):
-    row = b if sched.per_batch else 0
-    return (row * sched.num_outer + outer) * sched.steps + step
-
-
 def _head_div(h, group_size: int):
     """``h // group_size`` for a non-negative head index: truncating division (``lax.div``)
     in a kernel, where floor division would lower through ``sign``; plain ``//`` on Python ints."""
@@ -147,13 +182,13 @@ def forward_index_maps(sched: Schedule, group_size: int):
 
     def kv_map(b, h, i, s, index_ref, mask_ref, count_ref):
         # GQA: query head h reads key/value head h // group_size; no copy of K/V per query head.
-        return (b, _head_div(h, group_size), index_ref[_flat(sched, b, i, s)], 0)
+        return (b, _head_div(h, group_size), visited_block(sched, index_ref, b, i, s), 0)
 
     def q_segment_map(b, h, i, s, index_ref, mask_ref, count_ref):  # [batch, q_len, 128]
         return (b, i, 0)
 
     def kv_segment_map(b, h, i, s, index_ref, mask_ref, count_ref):  # [batch, 8, kv_len]
-        return (b, 0, index_ref[_flat(sched, b, i, s)])
+        return (b, 0, visited_block(sched, index_ref, b, i, s))
 
     return {"q": q_map, "kv": kv_map, "q_segment": q_segment_map, "kv_segment": kv_segment_map}
 
@@ -162,16 +197,16 @@ def dkv_index_maps(sched: Schedule, group_size: int):
     """Index maps of the dK/dV grid ``(b, kv_head, j, g, t)``: query head ``kv_head * group + g``."""
 
     def q_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):
-        return (b, kh * group_size + g, index_ref[_flat(sched, b, j, t)], 0)
+        return (b, kh * group_size + g, visited_block(sched, index_ref, b, j, t), 0)
 
     def q_row_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):  # [batch, heads, 1 or 2, q_len]
-        return (b, kh * group_size + g, 0, index_ref[_flat(sched, b, j, t)])
+        return (b, kh * group_size + g, 0, visited_block(sched, index_ref, b, j, t))
 
     def kv_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):
         return (b, kh, j, 0)
 
     def q_segment_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):  # [batch, 8, q_len]
-        return (b, 0, index_ref[_flat(sched, b, j, t)])
+        return (b, 0, visited_block(sched, index_ref, b, j, t))
 
     def kv_segment_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):  # [batch, kv_len, 128]
         return (b, j, 0)
@@ -201,7 +236,7 @@ class ScheduleCounts:
     fetched: np.ndarray
     unmasked_computed: int
     unmasked_fetched: int
-    visit_map: np.ndarray  # [batch, num_outer, num_inner]: 0 skipped, 1 computed with mask, 2 computed full
+    visit_map: np.ndarray  # [batch rows, num_outer, num_inner] tile codes: EMPTY, PARTIAL or FULL
 
     @property
     def total_computed(self) -> int:
@@ -236,8 +271,6 @@ def walk_grid(index_map, grid, prefetch) -> np.ndarray:
 
 
 def _pass_schedule(spec, pass_name, blocks, segment_ids):
-    from tpuattn.pallas.forward import pad_axis  # the kernels' own padding rule
-
     if pass_name == "forward":
         fb = blocks.forward.clamp(spec.q_len, spec.kv_len)
     elif pass_name in ("dq", "dkv"):
@@ -245,12 +278,11 @@ def _pass_schedule(spec, pass_name, blocks, segment_ids):
     else:
         raise ValueError(f"pass_name: expected 'forward', 'dq' or 'dkv', got {pass_name!r}")
     bq, bk = fb.block_q, fb.block_kv
-    tq, tk = _round_up(spec.q_len, bq), _round_up(spec.kv_len, bk)
+    tq, tk = round_up(spec.q_len, bq), round_up(spec.kv_len, bk)
     transpose = pass_name == "dkv"
     overlap = None
     if segment_ids is not None:
-        q_seg, kv_seg = (pad_axis(jnp.asarray(s, jnp.int32), 1, n, edge=True)
-                         for s, n in zip(segment_ids, (tq, tk), strict=True))
+        q_seg, kv_seg = padded_segment_ids([jnp.asarray(s, jnp.int32) for s in segment_ids], bq, bk)
         overlap = segment_overlap(q_seg, kv_seg, bq, bk, transpose=transpose)
     sched = build_schedule(position_map(spec.mask, bq, bk, tq, tk, transpose=transpose), overlap)
     return sched, bq, bk, tq // bq, tk // bk
@@ -276,29 +308,27 @@ def kv_schedule(spec, block_sizes=None, segment_ids=None, pass_name: str = "forw
     rows = count.shape[0]
     index = prefetch[0].reshape(rows, sched.num_outer, sched.steps)
     needs = prefetch[1].reshape(rows, sched.num_outer, sched.steps)
-    visit = np.zeros((rows, sched.num_outer, sched.num_inner), np.int8)
+    visit = np.full((rows, sched.num_outer, sched.num_inner), EMPTY, np.int8)
     for r, o, s in np.ndindex(rows, sched.num_outer, sched.steps):
         if s < count[r, o]:
-            visit[r, o, index[r, o, s]] = 1 if needs[r, o, s] else 2
+            visit[r, o, index[r, o, s]] = PARTIAL if needs[r, o, s] else FULL
     if pass_name == "dkv":
-        heads, maps, streamed = spec.num_kv_heads, dkv_index_maps(sched, spec.group_size), "q"
+        heads, index_maps, streamed = spec.num_kv_heads, dkv_index_maps, "q"
         grid = (spec.batch, heads, sched.num_outer, spec.group_size, sched.steps)
-        unmasked = build_schedule(np.full((sched.num_outer, sched.num_inner), FULL, np.int8))
         inner_per_outer = spec.group_size * sched.num_inner
     else:
-        heads, maps, streamed = spec.num_q_heads, forward_index_maps(sched, spec.group_size), "kv"
+        heads, index_maps, streamed = spec.num_q_heads, forward_index_maps, "kv"
         grid = (spec.batch, heads, sched.num_outer, sched.steps)
-        unmasked = build_schedule(np.full((sched.num_outer, sched.num_inner), FULL, np.int8))
         inner_per_outer = sched.num_inner
-    fetch = walk_grid(maps[streamed], grid, prefetch)
+    fetch = walk_grid(index_maps(sched, spec.group_size)[streamed], grid, prefetch)
     fetched = fetch.reshape(spec.batch, heads, sched.num_outer, -1).sum(-1)
     per_row = count[[sched.row(b) for b in range(spec.batch)]]  # [batch, num_outer]
     computed = np.broadcast_to(per_row[:, None, :], (spec.batch, heads, sched.num_outer))
     if pass_name == "dkv":
         computed = computed * spec.group_size
-    unmasked_maps = (dkv_index_maps if pass_name == "dkv" else forward_index_maps)(unmasked, spec.group_size)
+    unmasked = build_schedule(np.full((sched.num_outer, sched.num_inner), FULL, np.int8))
     unmasked_grid = grid[:-1] + (unmasked.steps,)
-    unmasked_fetched = int(walk_grid(unmasked_maps[streamed], unmasked_grid,
+    unmasked_fetched = int(walk_grid(index_maps(unmasked, spec.group_size)[streamed], unmasked_grid,
                                      tuple(np.asarray(a) for a in unmasked.arrays())).sum())
     return ScheduleCounts(
         pass_name=pass_name, block_q=bq, block_kv=bk, num_q_blocks=nq, num_kv_blocks=nk, steps=sched.steps,

@@ -1,20 +1,19 @@
-"""tpuattn.pallas.visualize: the grid walk, the HBM byte count, the drawing and the widget.
+"""tpuattn.model.counts: the Pallas kernel's grid walk and HBM byte count.
 
-Counts are exact (they come from the kernel's schedule); the drawing and widget tests only run
-where matplotlib / ipywidgets are installed (the JAX 0.7.2 test environment has neither).
+Counts are exact: they come from the kernel's own schedule and index maps (tpuattn.pallas.plan).
 """
 
 import numpy as np
 import pytest
 
-from tpuattn.pallas import visualize as viz
+from tpuattn.model import counts
 from tpuattn.pallas.blocks import ForwardBlocks
-from tpuattn.spec import EMPTY, MaskSpec
+from tpuattn.spec import EMPTY, FULL, PARTIAL, MaskSpec
 
 
 def test_causal_4096_counts_and_bytes():
-    spec = viz.spec_for(4096, causal=True, num_q_heads=1, head_dim=128, dtype="bfloat16")
-    traffic = viz.hbm_traffic(spec, (128, 128))
+    spec = counts.spec_for(4096, causal=True, num_q_heads=1, head_dim=128, dtype="bfloat16")
+    traffic = counts.hbm_traffic(spec, (128, 128))
     n = 32
     assert traffic.kv_blocks_computed == n * (n + 1) // 2 == 528
     assert traffic.unmasked_kv_blocks == n * n
@@ -34,8 +33,8 @@ def test_causal_4096_counts_and_bytes():
 
 def test_unmasked_kv_reread_once_per_q_block_and_per_gqa_head():
     # 512 tokens, 128-blocks: each of the 4 q blocks streams all 4 kv blocks, for each of 4 q heads.
-    spec = viz.spec_for(512, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float32")
-    traffic = viz.hbm_traffic(spec, ForwardBlocks(128, 128))
+    spec = counts.spec_for(512, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float32")
+    traffic = counts.hbm_traffic(spec, ForwardBlocks(128, 128))
     assert traffic.kv_blocks_fetched == traffic.kv_blocks_computed == 2 * 4 * 4 * 4
     # head_dim 64 is padded to 128 lanes in the kernel's layout.
     assert traffic.k_read == 2 * 4 * 4 * 4 * 128 * 128 * 4
@@ -44,22 +43,22 @@ def test_unmasked_kv_reread_once_per_q_block_and_per_gqa_head():
 
 
 def test_walk_causal_matches_the_schedule_layout():
-    walk = viz.grid_walk(viz.spec_for(512, causal=True), (128, 128))
+    walk = counts.grid_walk(counts.spec_for(512, causal=True), (128, 128))
     np.testing.assert_array_equal(walk.kv_index, [[0, 0, 0, 0], [0, 1, 1, 1], [0, 1, 2, 2], [0, 1, 2, 3]])
     np.testing.assert_array_equal(walk.computed, np.tril(np.ones((4, 4), bool)))
     expected_fetch = np.tril(np.ones((4, 4), bool))
     expected_fetch[1, 0] = False  # kv block 0 is still resident from q block 0
     np.testing.assert_array_equal(walk.fetched, expected_fetch)
     # Diagonal tiles need the element mask; tiles below it do not; above it are skipped.
-    np.testing.assert_array_equal(walk.tiles, np.tril(np.full((4, 4), viz.FULL_TILE), -1)
-                                  + np.eye(4, dtype=int) * viz.MASKED)
+    np.testing.assert_array_equal(walk.tiles, np.tril(np.full((4, 4), FULL), -1)
+                                  + np.eye(4, dtype=int) * PARTIAL)
 
 
 def test_walk_window_visits_exactly_the_non_empty_tiles_and_shortens_the_grid():
-    spec = viz.spec_for(1024, causal=True, window=(300, 0))
-    walk = viz.grid_walk(spec, (128, 128))
+    spec = counts.spec_for(1024, causal=True, window=(300, 0))
+    walk = counts.grid_walk(spec, (128, 128))
     visible = MaskSpec(1024, 1024, causal=True, window=(300, 0)).block_map(128, 128) != EMPTY
-    np.testing.assert_array_equal(walk.tiles != viz.SKIPPED, visible)
+    np.testing.assert_array_equal(walk.tiles != EMPTY, visible)
     assert walk.steps == visible.sum(axis=1).max() < walk.num_kv_blocks
     for i in range(walk.num_q_blocks):
         named = set(walk.kv_index[i][walk.computed[i]].tolist())
@@ -72,60 +71,19 @@ def test_walk_window_visits_exactly_the_non_empty_tiles_and_shortens_the_grid():
 
 def test_spec_for_rejects_bad_sizes():
     with pytest.raises(ValueError, match="q_len"):
-        viz.spec_for(0)
+        counts.spec_for(0)
     with pytest.raises(ValueError, match="num_q_heads"):
-        viz.spec_for(128, num_q_heads=3, num_kv_heads=2)
-    assert viz.spec_for(256, window=64).mask.window == (64, 64)
-    assert viz.describe_mask(viz.spec_for(256, causal=True, window=(64, 0))) == "causal, window (64, 0)"
-    assert viz.describe_mask(viz.spec_for(256)) == "no mask"
+        counts.spec_for(128, num_q_heads=3, num_kv_heads=2)
+    assert counts.spec_for(256, window=64).mask.window == (64, 64)
+    assert counts.describe_mask(counts.spec_for(256, causal=True, window=(64, 0))) == "causal, window (64, 0)"
+    assert counts.describe_mask(counts.spec_for(256)) == "no mask"
 
 
 def test_block_sizes_are_validated_by_the_package():
     with pytest.raises(ValueError, match="block_kv"):
-        viz.hbm_traffic(viz.spec_for(256), (128, 100))
+        counts.hbm_traffic(counts.spec_for(256), (128, 100))
 
 
 def test_format_table():
-    text = viz.format_table([{"a": 1, "b": 0.5}, {"a": 22, "b": 1.25}])
+    text = counts.format_table([{"a": 1, "b": 0.5}, {"a": 22, "b": 1.25}])
     assert text.splitlines() == [" a     b", "--  ----", " 1  0.50", "22  1.25"]
-
-
-def test_draw_grid_returns_a_figure_with_both_panels(tmp_path):
-    pytest.importorskip("matplotlib")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    fig = viz.draw_grid(viz.spec_for(512, causal=True), (128, 128))
-    assert len(fig.axes) == 2
-    assert "10 of 16 computed" in fig.axes[0].get_title()
-    assert "9 of 16 K/V fetches" in fig.axes[1].get_title()
-    fig.savefig(tmp_path / "grid.png")
-    assert (tmp_path / "grid.png").stat().st_size > 0
-
-
-def test_grid_widget_redraws_on_change(monkeypatch):
-    pytest.importorskip("matplotlib")
-    pytest.importorskip("ipywidgets")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    drawn = []
-    original = viz.draw_grid
-
-    def recording_draw_grid(spec, block_sizes=None, **kwargs):
-        drawn.append((spec.q_len, spec.kv_len, spec.causal, spec.window, block_sizes))
-        return original(spec, block_sizes, **kwargs)
-
-    monkeypatch.setattr(viz, "draw_grid", recording_draw_grid)
-    widget = viz.grid_widget(q_len=256, kv_len=256, causal=True)
-    assert drawn == [(256, 256, True, None, (128, 128))]
-    q_len_slider, _, _, block_kv_slider = widget.children[0].children
-    causal_box, window_box, window_slider = widget.children[1].children
-    q_len_slider.value = 384
-    block_kv_slider.value = 256
-    window_slider.value = 128
-    window_box.value = True
-    causal_box.value = False
-    assert drawn[1:] == [(384, 256, True, None, (128, 128)), (384, 256, True, None, (128, 256)),
-                         (384, 256, True, None, (128, 256)), (384, 256, True, (128, None), (128, 256)),
-                         (384, 256, False, (128, None), (128, 256))]
