@@ -12,6 +12,8 @@ On first use it builds ``.venv`` (JAX 0.10.2 + tools) and ``.venv-jax0.7.2`` fro
                       (nbval skips cells without a stored execution count). Writes nothing.
 * ``unit-jax0.10.2``  pytest tests/ on JAX 0.10.2
 * ``unit-jax0.7.2``   pytest tests/ on JAX 0.7.2 (Colab's TPU runtime)
+* ``compile``         tests/test_aot.py in ``.venv-tpu-compile`` (JAX 0.10.2 + libtpu): every implementation
+                      through the real TPU compiler for every chip (compiled, not run; no TPU needed)
 * ``nbval``           ``pytest --nbval`` over the committed notebooks on the venv's Python; compares
                       outputs except stderr and cells tagged ``nbval-ignore-output``; figures go to a
                       temporary folder (TPUATTN_FIGURES_DIR) so the working tree is not modified.
@@ -35,7 +37,7 @@ import _venv  # noqa: E402
 
 ROOT = _venv.ROOT
 NOTEBOOKS = ROOT / "notebooks"
-STAGES = ("ruff", "pairs", "unit-jax0.10.2", "unit-jax0.7.2", "nbval")
+STAGES = ("ruff", "pairs", "unit-jax0.10.2", "unit-jax0.7.2", "compile", "nbval")
 PYTEST_EXIT = {0: "passed", 1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error",
                5: "no tests collected"}
 
@@ -112,6 +114,13 @@ def stage_unit(env: _venv.Env) -> str:
                               "-n", "2", "tests"]))
 
 
+def stage_compile() -> str:
+    # libtpu guards itself with a lockfile against two processes; compile-only use is safe to share.
+    env = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
+    return pytest_result(run([str(_venv.TPU_COMPILE.python), "-m", "pytest", "-p", "no:cacheprovider",
+                              "--durations=10", "-n", "2", "tests/test_aot.py"], env=env))
+
+
 def stage_nbval() -> str:
     ipynbs = [str(p.relative_to(ROOT)) for p in notebook_files(".ipynb")]
     if not ipynbs:
@@ -137,12 +146,14 @@ def main() -> int:
     begin = float(os.environ.setdefault("TPUATTN_CI_START", str(time.time())))
     _venv.reexec_in(_venv.MAIN)
     rows = []
-    if "unit-jax0.7.2" in stages:
-        start = time.perf_counter()
-        _venv.JAX_0_7.ensure()
-        rows.append(("setup .venv-jax0.7.2", time.perf_counter() - start, "ok"))
+    for stage, env in (("unit-jax0.7.2", _venv.JAX_0_7), ("compile", _venv.TPU_COMPILE)):
+        if stage in stages:
+            start = time.perf_counter()
+            env.ensure()
+            rows.append((f"setup {env.name}", time.perf_counter() - start, "ok"))
     actions = {"ruff": stage_ruff, "pairs": stage_pairs, "unit-jax0.10.2": lambda: stage_unit(_venv.MAIN),
-               "unit-jax0.7.2": lambda: stage_unit(_venv.JAX_0_7), "nbval": stage_nbval}
+               "unit-jax0.7.2": lambda: stage_unit(_venv.JAX_0_7), "compile": stage_compile,
+               "nbval": stage_nbval}
     for stage in stages:
         print(f"\n===== {stage} =====", flush=True)
         start = time.perf_counter()

@@ -82,24 +82,49 @@ def test_bf16_batch_and_heads_above_one_forward_and_gradients(impl):
     assert mine <= 4 * reference + 1e-2, (mine, reference)
 
 
-def _one_hot_rows(seed):
-    """bf16 inputs whose softmax rows are nearly one-hot (logits of a few hundred)."""
-    rng = np.random.default_rng(seed)
-    q, k, v = random_qkv(rng, LEN, LEN, batch=2, head_dim=HEAD_DIM)
-    q = q * 40.0  # logits with a spread of ~40: each row is dominated by one key
-    d_out = rng.standard_normal(q.shape).astype(np.float32)
+# Nearly one-hot rows in bf16. The worst case for delta = rowsum(dO * O) is a row whose top
+# probability is 1 - ~1e-3: O is then not a bf16 value (its rounding enters delta) while the true
+# dS is ~1e-3 times smaller than that rounding. Random logits rarely land there, so each row is built
+# to: orthogonal keys (|k|^2 = head_dim), query i aims at key a(i) with logit 20 and at key b(i) with
+# logit 13, every other logit ~0.
+def _one_hot_rows():
+    rng = np.random.default_rng(4)
+    length = head_dim = 128
+    heads = 2
+    q, k = np.zeros((2, 2, length, heads, head_dim))
+    for b in range(2):
+        for h in range(heads):
+            keys = np.sqrt(head_dim) * np.linalg.qr(rng.standard_normal((head_dim, head_dim)))[0][:length]
+            top = rng.permutation(length)
+            second = (top + 1 + rng.integers(0, length - 1, length)) % length
+            q[b, :, h] = (20.0 * keys[top] + 13.0 * keys[second]) / np.sqrt(head_dim)
+            k[b, :, h] = keys
+    v, d_out = rng.standard_normal((2, 2, length, heads, head_dim))
     q, k, v = _bf16(q, k, v)
-    return q, k, v, d_out, [np.asarray(x, np.float64) for x in (q, k, v)]
+    return q, k, v, d_out.astype(np.float32), [np.asarray(x, np.float64) for x in (q, k, v)]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+def _one_hot_ratios(impl):
+    """Each gradient's max error against the oracle, divided by the reference implementation's."""
+    q, k, v, d_out, inputs64 = _one_hot_rows()
+    want = oracle_grads(*inputs64, d_out)
+    mine, ref = (_grads(name, q, k, v, d_out) for name in (impl, "reference"))
+    return [_max_error([g], [w]) / _max_error([r], [w]) for g, r, w in zip(mine, ref, want, strict=True)]
+
+
+@pytest.mark.parametrize("impl", [name for name in IMPLS if name != "splash"])
 def test_bf16_gradients_of_nearly_one_hot_rows_match_the_reference(impl):
     """delta = rowsum(P * dP) (not rowsum(dO * O) of the bf16-rounded O), so dS cancels exactly."""
-    q, k, v, d_out, inputs64 = _one_hot_rows(3)
-    want = oracle_grads(*inputs64, d_out, causal=True)
-    mine, reference = (_max_error(_grads(name, q, k, v, d_out, causal=True), want)
-                       for name in (impl, "reference"))
-    assert mine <= 4 * reference, (mine, reference)
+    assert max(_one_hot_ratios(impl)) <= 4.0
+
+
+def test_splash_bf16_gradients_of_nearly_one_hot_rows_are_an_upstream_limitation():
+    """JAX's splash backward computes delta from its bf16 output: measured and documented, not hidden.
+
+    If this starts failing, upstream changed its delta: drop the caveat from the splash adapter."""
+    if "splash" not in IMPLS:
+        pytest.skip("splash not available")
+    assert max(_one_hot_ratios("splash")) > 20.0
 
 
 # ---------------------------------------------------------------------------- composition
@@ -112,14 +137,16 @@ def _shard_map(fn, mesh, specs, out_specs):
     return shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_specs)
 
 
+@pytest.mark.parametrize("sharding", [P("data"), P()], ids=["batch-sharded", "replicated"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_inside_a_users_shard_map_with_default_checks(impl):
+def test_inside_a_users_shard_map_with_default_checks(impl, sharding):
+    """Sharded inputs vary over the mesh axis; replicated ones (P()) vary over none: both must work."""
     rng = np.random.default_rng(4)
     q, k, v = random_qkv(rng, LEN, LEN, batch=len(jax.devices()), head_dim=HEAD_DIM)
     d_out = rng.standard_normal(q.shape).astype(np.float32)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     attend = _shard_map(lambda q, k, v: tpuattn.attention(q, k, v, causal=True, impl=impl), mesh,
-                        (P("data"), P("data"), P("data")), P("data"))
+                        (sharding, sharding, sharding), sharding)
     out = jax.jit(attend)(q, k, v)
     np.testing.assert_allclose(np.asarray(out, np.float64), oracle_attention(q, k, v, causal=True),
                                atol=FORWARD_TOL["float32"], rtol=FORWARD_TOL["float32"])

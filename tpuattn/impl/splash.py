@@ -15,7 +15,6 @@ interpret mode off a TPU. What the adapter translates:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -178,14 +177,14 @@ def _guarded(fn):
     Splash's index maps mix int32 grid indices with Python ints, which become int64 under
     ``jax_enable_x64`` and fail inside JAX's kernel; nothing here needs 64 bits, so both passes are
     traced with it off. Inside a user's ``shard_map`` (default checks) splash's ``pallas_call`` gives
-    its outputs no varying mesh axes, so the kernel is traced with the checks off and its outputs
-    marked as varying like the inputs. Differentiating the backward (a second derivative) raises
-    a clear error instead of splash's bare ``NotImplementedError``.
+    its outputs no varying mesh axes, so the kernel is always traced with the checks off (a no-op
+    outside a shard_map) and its outputs marked as varying like the inputs. Differentiating the
+    backward (a second derivative) raises a clear error instead of splash's bare ``NotImplementedError``.
     """
 
     def run(q, k, v, segments):
         axes = varying_axes(q, k, v)
-        with _x64_disabled(), (vma_checks_off() if axes else contextlib.nullcontext()):
+        with _x64_disabled(), vma_checks_off():
             out = fn(*_invariant(axes, q, k, v), segments)
         return mark_varying(out, axes)
 
@@ -195,13 +194,13 @@ def _guarded(fn):
 
     def call_fwd(q, k, v, segments):
         axes = varying_axes(q, k, v)
-        with _x64_disabled(), (vma_checks_off() if axes else contextlib.nullcontext()):
+        with _x64_disabled(), vma_checks_off():
             out, vjp = _first_order_vjp(fn, *_invariant(axes, q, k, v), segments)
         return mark_varying(out, axes), vjp
 
     def call_bwd(vjp, d_out):
         axes = varying_axes(d_out)
-        with _x64_disabled(), (vma_checks_off() if axes else contextlib.nullcontext()):
+        with _x64_disabled(), vma_checks_off():
             grads = _first_order(vjp, *_invariant(axes, d_out))
         return (*(mark_varying(g, axes) for g in grads), None)
 

@@ -43,6 +43,7 @@ Files: ``compat.py`` (JAX 0.7.2 vs 0.10.2 only), ``blocks.py`` (sizes, VMEM mode
 step guard, counts), ``forward.py``, ``backward.py``, ``vjp.py`` (custom VJP and options).
 """
 
+from tpuattn.impl.common import low_precision_matmul_refused
 from tpuattn.pallas.backward import backward as flash_backward
 from tpuattn.pallas.blocks import (
     BackwardBlocks,
@@ -80,9 +81,14 @@ def _default_forward_blocks(spec, vmem_bytes=None) -> tuple[int, int]:
     return forward.block_q, forward.block_kv
 
 
+def _supports(spec, backend=None):
+    return low_precision_matmul_refused(spec, backend, "pallas")
+
+
 register(
     "pallas",
     pallas_attention,
+    supports=_supports,
     description="Pallas TPU flash attention (compiled on TPU, interpret mode elsewhere), custom VJP",
     interpreted_off_tpu=True,
     schedule="flash",
