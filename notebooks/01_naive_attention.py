@@ -410,15 +410,15 @@ if RUN_MEMORY:
 # ### 4.2 Computed for a TPU's HBM
 #
 # Now size the score matrix of a model with `MODEL_BATCH` sequences and `MODEL_HEADS` heads in
-# float32 against the HBM of one TPU chip (capacities from `tpuattn.roofline`, Google Cloud's
-# published numbers). This is a *lower bound* on what the naive forward needs: the weights, the
+# float32 against the HBM of one TPU chip (capacities from `tpuattn.chips`: JAX's own table, which
+# agrees with Google Cloud's published numbers). This is a *lower bound* on what the naive forward needs: the weights, the
 # activations, $P$ for the backward pass all come on top.
 
 # %%
 from tpuattn.model import roofline
 
 GIB = 2**30
-chips = {name: roofline.chip_spec(name, source="published").hbm_capacity for name in ("v5e", "v6e", "v5p")}
+chips = {name: roofline.chip_spec(name).hbm_capacity for name in ("v5e", "v6e", "v5p")}
 
 
 def scores_bytes(seq_len, batch=MODEL_BATCH, heads=MODEL_HEADS, bytes_per_element=4):

@@ -550,7 +550,7 @@ for name, got, want, tol in package_cases:
 # ## The grid, drawn
 #
 # Which grid steps does the package's kernel compute, and which fetch a new K/V block? The drawing
-# below comes from `tpuattn.counts.grid.draw_grid`, which evaluates **the kernel's own schedule
+# below comes from `tpuattn.viz.grid.draw_grid`, which evaluates **the kernel's own schedule
 # and index maps** over its grid (`tpuattn.pallas.plan`), exactly as the pipeline walks it:
 # a step fetches when the block index differs from the previous step's.
 #

@@ -317,7 +317,8 @@ print("every implementation within 2e-5 (float32) and 2e-2 (bfloat16) of float64
 # * Pallas TPU: `pltpu.get_tpu_info` / `get_tpu_info_for_chip` exist only in 0.10.2 (>= 0.8.1);
 #   `pltpu.repeat` and `pltpu.ANY` exist only in 0.7.2. `pltpu.CompilerParams` (the old
 #   `TPUCompilerParams` name is gone in both), `InterpretParams` and `force_tpu_interpret_mode` are
-#   in both. The Pallas kernel's `tpuattn/pallas/compat.py` absorbs these.
+#   in both, so the kernels use them directly; `tpuattn/pallas/compat.py` keeps only what really
+#   differs (how a kernel's output is typed inside a `shard_map`, where the race flag lives).
 # * splash: its public names and the `make_splash_mha` signature are identical in both, but the
 #   kernel underneath changed: `pltpu.repeat` became `jnp.tile`, the `sinks` operand's block became
 #   `(8, num_heads)` "to allow vmap", kernel names and profiler metadata changed. None of it reaches us

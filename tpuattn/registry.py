@@ -48,7 +48,8 @@ class Implementation:
         wins); ``None`` keeps it out of the automatic choice.
       interpreted_off_tpu: a Pallas TPU kernel that runs in interpret mode elsewhere (its timings there
         are not kernel speed).
-      schedule: the roofline model of its schedule ("materialised", "flash", "blockwise (XLA loop)"),
+      schedule: the roofline model of its schedule ("materialised", "flash", "flash (row-sum pass)",
+        "blockwise (XLA loop)"),
         ``None`` when not modelled.
       default_blocks: ``default_blocks(spec, vmem_bytes) -> (block_q, block_kv)``: the blocks it runs by
         default (``vmem_bytes`` is the target chip's, ``None`` for this machine), for the model.

@@ -27,8 +27,11 @@ the model takes f32 peak = bf16 peak / 6. That is a *modelled* number, not a pub
 * ``"flash"``: a ``q_block`` of queries stays in VMEM while K/V blocks stream past it, so K and
   V are re-read once per query block; scores never reach HBM; tiles that
   :meth:`MaskSpec.block_map` marks EMPTY are skipped (neither fetched nor computed). The backward
-  pass is two kernels (dK/dV, then dQ), as in JAX's flash and splash kernels, unless
-  ``fused_backward=True``.
+  pass is two kernels (dK/dV, then dQ) with delta = rowsum(dO * O), as in JAX's flash and splash
+  kernels, unless ``fused_backward=True``;
+* ``"flash (row-sum pass)"``: the same, with a third backward pass first that sums
+  delta = rowsum(P * dP) over the visited tiles (tpuattn's Pallas kernel: two more matmuls per tile
+  and one more read of K and V, for gradients that stay exact on nearly one-hot rows);
 * ``"blockwise (XLA loop)"``: the same tiles in a pure-JAX loop, but XLA keeps a loop's
   intermediates in HBM: each visited tile's f32 score block and the running ``(acc, max, sum)``
   state make a round trip through HBM.
@@ -66,7 +69,7 @@ MIB = 1024**2
 # f32 matmuls at Precision.HIGHEST run as 6 bf16 MXU passes (jax.lax.Precision docstring).
 F32_PASSES = 6
 
-SCHEDULES = ("materialised", "flash", "blockwise (XLA loop)")
+SCHEDULES = ("materialised", "flash", "flash (row-sum pass)", "blockwise (XLA loop)")
 SOURCES = ("table", "jax")
 
 __all__ = ["F32_PASSES", "GIB", "MIB", "MODES", "SCHEDULES", "SOURCES", "ChipSpec", "Cost", "Prediction",
@@ -183,7 +186,7 @@ class Cost:
 
     impl: str
     mode: str
-    schedule: str  # "materialised", "flash", "blockwise (XLA loop)"
+    schedule: str  # one of SCHEDULES
     flops: float  # executed, including masked work that the schedule does not skip
     standard_flops: float  # the conventional count, for TFLOP/s comparisons
     hbm_bytes: float  # bytes moved between HBM and the core
@@ -283,7 +286,10 @@ def _check_blocks(q_block, kv_block) -> None:
     positive_int("kv_block", kv_block)
 
 
-def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backward: bool) -> Cost:
+def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backward: bool,
+           row_sum_pass: bool = False) -> Cost:
+    """The flash schedule. ``row_sum_pass``: the backward's delta is rowsum(P * dP), summed by a pass
+    of its own over the visited tiles (tpuattn's Pallas kernel), not rowsum(dO * O) (splash)."""
     _check_blocks(q_block, kv_block)
     e = _itemsize(spec.dtype)
     d = spec.head_dim
@@ -304,8 +310,16 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     vmem = forward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e)
     if mode == "fwd+bwd":
         vmem = max(vmem, backward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e))
-        breakdown.append(("bwd: delta = rowsum(dO * O): read O, dO; write delta",
-                          heads * nq * (2 * q_tile + 4 * q_block)))
+        if row_sum_pass:
+            breakdown += [
+                ("bwd row sums: read Q, dO, lse; write delta (once per q block)",
+                 heads * nq * (2 * q_tile + 8 * q_block + 4 * q_block)),
+                ("bwd row sums: read K, V (per visited tile)", heads * visited * 2 * kv_tile),
+            ]
+            flops += heads * visited * 1.0 * tile_flops  # S and dP again: two matmuls
+        else:
+            breakdown.append(("bwd: delta = rowsum(dO * O): read O, dO; write delta",
+                              heads * nq * (2 * q_tile + 4 * q_block)))
         if fused_backward:
             # One kernel, kv outer: K_j, V_j read once, dK_j, dV_j written once; per visited
             # tile Q_i, dO_i, lse_i, delta_i read and dQ_i read-modified-written (f32).
@@ -332,7 +346,8 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     peak = 2 * q_bytes + 2 * kv_bytes + lse
     if mode == "fwd+bwd":
         peak += 2 * q_bytes + 2 * kv_bytes + lse  # dO, dQ, dK, dV, delta
-    return Cost(impl=impl, mode=mode, schedule="flash", flops=flops,
+    name = "flash (row-sum pass)" if row_sum_pass else "flash"
+    return Cost(impl=impl, mode=mode, schedule=name, flops=flops,
                 standard_flops=standard_flops(spec, mode),
                 hbm_bytes=sum(b for _, b in breakdown), peak_hbm_bytes=float(peak), vmem_bytes=float(vmem),
                 breakdown=tuple(breakdown), visited_fraction=visited / (nq * nk))
@@ -435,8 +450,9 @@ def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_b
         default_q, default_kv = default_blocks(impl, spec, chip)
         q_block = default_q if q_block is None else q_block
         kv_block = default_kv if kv_block is None else kv_block
-    if schedule == "flash":
-        return _flash(impl, spec, mode, q_block, kv_block, fused_backward)
+    if schedule in ("flash", "flash (row-sum pass)"):
+        return _flash(impl, spec, mode, q_block, kv_block, fused_backward,
+                      row_sum_pass=schedule == "flash (row-sum pass)")
     if schedule == "blockwise (XLA loop)":
         return _blockwise(impl, spec, mode, q_block, kv_block)
     raise ValueError(f"{impl}: its record's schedule {schedule!r} is not one of {list(SCHEDULES)}")

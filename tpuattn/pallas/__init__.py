@@ -91,7 +91,7 @@ register(
     supports=_supports,
     description="Pallas TPU flash attention (compiled on TPU, interpret mode elsewhere), custom VJP",
     interpreted_off_tpu=True,
-    schedule="flash",
+    schedule="flash (row-sum pass)",
     default_blocks=_default_forward_blocks,
     options=OPTIONS,
 )
