@@ -84,13 +84,13 @@ def _topology(name: str):
 
 
 def _versions() -> tuple[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
     import jax
 
     try:
-        from importlib.metadata import version
-
         libtpu = version("libtpu")
-    except Exception:  # noqa: BLE001 - any failure to read a version means "unknown"
+    except PackageNotFoundError:
         libtpu = "none"
     return jax.__version__, libtpu
 
