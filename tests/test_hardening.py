@@ -229,3 +229,14 @@ def test_numpy_integers_are_accepted_wherever_ints_are():
     for bad in (True, 1.5, np.float32(128)):
         with pytest.raises(ValueError, match="^block_q: expected a positive int"):
             tpuattn.attention(q, k, v, impl="blockwise", block_q=bad)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap_over_a_leading_axis(impl):
+    draws = [random_qkv(np.random.default_rng(seed), LEN, LEN, head_dim=HEAD_DIM) for seed in (11, 12)]
+    q, k, v = (np.stack(arrays) for arrays in zip(*draws, strict=True))
+    out = jax.vmap(lambda q, k, v: tpuattn.attention(q, k, v, causal=True, impl=impl))(q, k, v)
+    for i in range(2):
+        want = oracle_attention(q[i], k[i], v[i], causal=True)
+        np.testing.assert_allclose(np.asarray(out[i], np.float64), want, atol=FORWARD_TOL["float32"],
+                                   rtol=FORWARD_TOL["float32"])
