@@ -151,7 +151,7 @@ def plot_roofline(ax, chip, predictions=(), *, dtype="bfloat16", measured=()) ->
     ax.axvline(ridge, color="k", lw=0.5, ls=":")
     ax.text(ridge, chip.peak_flops(dtype) / 1e12 * 1.15, f"ridge {ridge:.0f} FLOP/B", fontsize="x-small",
             ha="center")
-    markers = dict(zip(roofline.SCHEDULES, "so^", strict=True))
+    markers = dict(zip(roofline.SCHEDULES, "sod^", strict=True))
     for i, pred in enumerate(predictions):
         attained = pred.cost.flops / pred.time_s / 1e12
         # Implementations with the same schedule land on the same point: draw later ones smaller.
