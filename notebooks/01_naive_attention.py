@@ -459,10 +459,10 @@ ax_m.set_title(style.labelled(f"Peak memory of naive attention, batch 1 x {MEASU
 
 t = np.logspace(np.log2(1024), np.log2(262144), 60, base=2)
 ax_t.plot(t, scores_bytes(t) / GIB, label=f"scores, batch {MODEL_BATCH} x {MODEL_HEADS} heads, float32")
-for (name, capacity), style in zip(chips.items(), (":", "--", "-."), strict=True):
-    ax_t.axhline(capacity / GIB, color="gray", linestyle=style,
+for (name, capacity), line in zip(chips.items(), (":", "--", "-."), strict=True):
+    ax_t.axhline(capacity / GIB, color="gray", linestyle=line,
                  label=f"TPU {name} HBM ({capacity / GIB:.0f} GiB)")
-    ax_t.axvline(longest_fitting(capacity), color="gray", linestyle=style, alpha=0.5)
+    ax_t.axvline(longest_fitting(capacity), color="gray", linestyle=line, alpha=0.5)
 ax_t.set_xscale("log", base=2)
 ax_t.set_yscale("log", base=2)
 ax_t.set_xlabel("sequence length T")

@@ -325,9 +325,9 @@ print("* standard-count TFLOP/s at the predicted time: what a benchmark would re
 # and so the same numbers) sit far left of the ridge (about 25 FLOP/byte against v5e's 240): they
 # are memory bound at every length, and past about 19k tokens their scores no longer fit at all.
 # The flash kernel with 512-row query blocks re-reads K/V rarely enough to be compute bound.
-# Splash at its default 128 x 128 blocks has intensity
-# $2 \cdot 128 / 2 = 128$ FLOP/byte: memory bound on a v5e, which is why production configs raise
-# `block_q`. And the blockwise loop in pure JAX, although it skips the same tiles, moves its score
+# Splash is modelled at the 512 x 512 tiles `impl="splash"` runs here and lands with it; at JAX's
+# own default of 128 x 128 its intensity would be $2 \cdot 128 / 2 = 128$ FLOP/byte, memory bound on
+# a v5e, which is why this project (and production configs) raise the blocks. And the blockwise loop in pure JAX, although it skips the same tiles, moves its score
 # tiles through HBM and lands between the two.
 
 # %%
