@@ -42,8 +42,8 @@ if "google.colab" in sys.modules:
 
 # %% tags=["nbval-ignore-output"]
 import tpuattn
-from tpuattn.measure import runtime
 from tpuattn.exercises import run_checks
+from tpuattn.measure import runtime
 
 PLATFORM = runtime.info()
 print(PLATFORM.summary())
@@ -69,8 +69,8 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tpuattn.viz import style
 from tpuattn.spec import MaskSpec
+from tpuattn.viz import style
 
 style.use_style()
 rng = np.random.default_rng(SEED)
@@ -411,8 +411,8 @@ if RUN_MEMORY:
 #
 # Now size the score matrix of a model with `MODEL_BATCH` sequences and `MODEL_HEADS` heads in
 # float32 against the HBM of one TPU chip (capacities from `tpuattn.chips`: JAX's own table, which
-# agrees with Google Cloud's published numbers). This is a *lower bound* on what the naive forward needs: the weights, the
-# activations, $P$ for the backward pass all come on top.
+# agrees with Google Cloud's published numbers). This is a *lower bound* on what the naive forward
+# needs: the weights, the activations, $P$ for the backward pass all come on top.
 
 # %%
 from tpuattn.model import roofline

@@ -72,8 +72,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from tpuattn.impl import blockwise
-from tpuattn.viz import style, tiles
 from tpuattn.spec import MaskSpec
+from tpuattn.viz import style, tiles
 
 style.use_style()
 rng = np.random.default_rng(SEED)

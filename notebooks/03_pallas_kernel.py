@@ -83,10 +83,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuattn.viz import style
 from tpuattn.impl.common import matmul_precision
 from tpuattn.model import counts
-from tpuattn.viz import grid
+from tpuattn.viz import grid, style
 
 style.use_style()
 ON_TPU = PLATFORM.on_tpu
@@ -585,7 +584,8 @@ style.close(fig)
 from IPython.display import display
 
 try:
-    widget = grid.grid_widget(q_len=GRID_LEN, kv_len=GRID_LEN, block_q=BLOCK_Q, block_kv=BLOCK_KV, causal=True)
+    widget = grid.grid_widget(q_len=GRID_LEN, kv_len=GRID_LEN, block_q=BLOCK_Q, block_kv=BLOCK_KV,
+                              causal=True)
     display(widget)
 except ImportError as error:  # ipywidgets missing: the static figures above are the fallback
     print(f"widget unavailable ({error}); see figures/03_grid_causal.png")
@@ -629,17 +629,17 @@ print(counts.format_table(rows))
 
 # %%
 spec_4096 = counts.spec_for(4096, causal=True)
-counts = tpuattn.pallas.kv_schedule(spec_4096, tpuattn.pallas.ForwardBlocks(128, 128))
+schedule = tpuattn.pallas.kv_schedule(spec_4096, tpuattn.pallas.ForwardBlocks(128, 128))
 print("4096 tokens, 128 x 128 blocks, causal (one batch row, one head):")
-print(f"  kv blocks computed: {counts.total_computed} of {counts.unmasked_computed} "
-      f"= {100 * counts.computed_fraction:.2f}%")
-print(f"  kv blocks fetched:  {counts.total_fetched} of {counts.unmasked_fetched} "
-      f"= {100 * counts.fetched_fraction:.2f}%")
-assert counts.computed_fraction <= 0.52 and counts.fetched_fraction <= 0.52
+print(f"  kv blocks computed: {schedule.total_computed} of {schedule.unmasked_computed} "
+      f"= {100 * schedule.computed_fraction:.2f}%")
+print(f"  kv blocks fetched:  {schedule.total_fetched} of {schedule.unmasked_fetched} "
+      f"= {100 * schedule.fetched_fraction:.2f}%")
+assert schedule.computed_fraction <= 0.52 and schedule.fetched_fraction <= 0.52
 n = 4096 // 128
 print(f"cross-check by formula: n(n+1)/2 = {n * (n + 1) // 2} tiles computed of n^2 = {n * n}; "
       f"one fetch fewer ({n * (n + 1) // 2 - 1}): q block 1 starts on the kv block q block 0 ended with")
-assert counts.total_computed == n * (n + 1) // 2 and counts.total_fetched == n * (n + 1) // 2 - 1
+assert schedule.total_computed == n * (n + 1) // 2 and schedule.total_fetched == n * (n + 1) // 2 - 1
 
 # %% [markdown]
 # ## Speed on a TPU
@@ -780,8 +780,8 @@ def check_fetches():
     for n in range(1, 13):
         mine = causal_fetches(n)
         spec = counts.spec_for(128 * n, causal=True)
-        counts = tpuattn.pallas.kv_schedule(spec, tpuattn.pallas.ForwardBlocks(128, 128))
-        assert mine == counts.total_fetched, (n, mine, counts.total_fetched)
+        schedule = tpuattn.pallas.kv_schedule(spec, tpuattn.pallas.ForwardBlocks(128, 128))
+        assert mine == schedule.total_fetched, (n, mine, schedule.total_fetched)
 
 
 check_exercise(1, check_window)

@@ -76,9 +76,9 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
+from tpuattn.measure.timing import time_jitted
 from tpuattn.model import roofline
 from tpuattn.viz import style
-from tpuattn.measure.timing import time_jitted
 
 style.use_style()
 rng = np.random.default_rng(SEED)
@@ -341,11 +341,11 @@ print("  splash.make_splash_mha takes interpret=:",
 
 # %% [markdown]
 # **How the contract isolates it.** Callers only ever write `tpuattn.attention(q, k, v, ...,
-# impl=name)`. Everything version-specific lives in one module per implementation (`tpuattn/impl/xla.py`, `tpuattn/impl/splash.py`
-# for both native paths) and reaches the rest of the package only through `register(name, fn,
-# supports=...)`. When JAX changes, one file changes, the shared float64 oracle suite says whether the
-# translation still holds, and `supports()` turns a missing feature into a clear refusal instead of a
-# wrong answer.
+# impl=name)`. Everything version-specific lives in one module per implementation
+# (`tpuattn/impl/xla.py`, `tpuattn/impl/splash.py` for both native paths) and reaches the rest of
+# the package only through `register(name, fn, supports=...)`. When JAX changes, one file changes,
+# the shared float64 oracle suite says whether the translation still holds, and `supports()` turns a
+# missing feature into a clear refusal instead of a wrong answer.
 
 # %% [markdown]
 # ## 5. A decision guide

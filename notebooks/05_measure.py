@@ -49,8 +49,8 @@ if "google.colab" in sys.modules:
 
 # %% tags=["nbval-ignore-output"]
 import tpuattn
-from tpuattn.measure import runtime
 from tpuattn.exercises import run_checks
+from tpuattn.measure import runtime
 
 PLATFORM = runtime.info()
 print(PLATFORM.summary())
@@ -258,7 +258,8 @@ for name in chips.NAMES:
               f"{chip.vmem_bytes / 2**20:9.0f} "
               f"{chip.ridge_point():12.0f}  {chip.source}")
 v5e = roofline.chip_spec("v5e")
-assert (v5e.bf16_flops, v5e.hbm_bandwidth) == (197e12, 820e9)  # JAX's table; Cloud's v5e page: 197 TFLOP/s, 819 GB/s
+# JAX's table; Google Cloud's v5e page says 197 TFLOP/s and 819 GB/s.
+assert (v5e.bf16_flops, v5e.hbm_bandwidth) == (197e12, 820e9)
 
 # %% [markdown]
 # ### The schedules, counted
@@ -327,8 +328,9 @@ print("* standard-count TFLOP/s at the predicted time: what a benchmark would re
 # The flash kernel with 512-row query blocks re-reads K/V rarely enough to be compute bound.
 # Splash is modelled at the 512 x 512 tiles `impl="splash"` runs here and lands with it; at JAX's
 # own default of 128 x 128 its intensity would be $2 \cdot 128 / 2 = 128$ FLOP/byte, memory bound on
-# a v5e, which is why this project (and production configs) raise the blocks. And the blockwise loop in pure JAX, although it skips the same tiles, moves its score
-# tiles through HBM and lands between the two.
+# a v5e, which is why this project (and production configs) raise the blocks. And the blockwise
+# loop in pure JAX, although it skips the same tiles, moves its score tiles through HBM and lands
+# between the two.
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey=True)
