@@ -14,6 +14,7 @@ import pytest
 
 from tpuattn import chips
 from tpuattn.measure import aot
+from tpuattn.model import roofline
 
 if not aot.tpu_available():
     if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):
@@ -69,3 +70,64 @@ def test_float32_serves_the_kernels_on_v2():
         row = aot.compile_row("v2", impl, "fwd", aot.Problem(seq_len=256, heads=2, dtype="float32"))
         assert row["status"] == "ok", row["error"]
         assert row["custom_calls"] >= 1  # a Mosaic kernel, not interpret mode
+
+
+# ---------------------------------------------------------------------------- the model held to the compiler
+# Shapes whose buffers are too large for the compiler to keep in VMEM (on v5e it kept a 64 MiB score
+# buffer on chip): there the live set is all in HBM, as the model counts it.
+PEAK_CASES = [
+    ("v5e", "reference", aot.Problem(seq_len=8192, heads=8)),
+    ("v5e", "xla", aot.Problem(seq_len=8192, heads=8)),
+    ("v4", "xla", aot.Problem(seq_len=8192, heads=8, dtype="float32")),
+    ("v5e", "pallas", aot.Problem(seq_len=131072, heads=8)),
+    ("v5e", "splash", aot.Problem(seq_len=131072, heads=8)),
+    ("v6e", "pallas", aot.Problem(seq_len=65536, batch=2, heads=8, head_dim=64)),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chip,impl,problem", PEAK_CASES, ids=[f"{c}-{i}-{p.dtype}-T{p.seq_len}-d{p.head_dim}"
+                                                               for c, i, p in PEAK_CASES])
+def test_modelled_peak_hbm_is_within_ten_percent_of_the_compiler(chip, impl, problem, mode):
+    row = aot.compile_row(chip, impl, mode, problem)
+    _check(row)
+    spec = roofline.problem(problem.seq_len, batch=problem.batch, heads=problem.heads,
+                            head_dim=problem.head_dim, dtype=problem.dtype, causal=problem.causal)
+    modelled = roofline.cost(impl, spec, mode, chip=roofline.chip_spec(chip)).peak_hbm_bytes
+    assert modelled == pytest.approx(row["peak_hbm_bytes"], rel=0.10), (modelled, row["peak_hbm_bytes"])
+
+
+def test_materialised_attention_stops_fitting_where_the_model_says():
+    # jax.nn's XLA path, bf16, 8 heads of 128 on one v5e device (16 GiB): the compiler's own
+    # out-of-memory confirms the modelled length, within 5%.
+    t = roofline.materialise_crossover("v5e", heads=8, head_dim=128, dtype="bfloat16")
+    fits = aot.compile_row("v5e", "xla", "fwd", aot.Problem(seq_len=int(t * 0.95) // 128 * 128, heads=8))
+    assert fits["status"] == "ok", fits["error"]
+    too_long = aot.compile_row("v5e", "xla", "fwd", aot.Problem(seq_len=int(t * 1.05) // 128 * 128, heads=8))
+    assert too_long["status"] == "compile_error"
+    assert "RESOURCE_EXHAUSTED" in too_long["error"], too_long["error"]
+
+
+# ---------------------------------------------------------------------------- block sizes from the compiler
+@pytest.mark.parametrize("chip", [c for c in chips.NAMES if chips.get(c).bf16_matmul])
+def test_default_blocks_compile_at_full_size(chip):
+    # 1024 tokens: the defaults (512 or 1024) are not clamped, forward and both backward passes.
+    from tpuattn.pallas.blocks import default_block_sizes
+
+    sizes = default_block_sizes(128, "bfloat16", chip=chip)
+    assert sizes.forward.block_q >= 512, sizes
+    _check(aot.compile_row(chip, "pallas", "fwd+bwd", aot.Problem(seq_len=1024, heads=2)))
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_committed_block_table_reproduces(index):
+    # A compile error and an accepted pair from the committed table, compiled again.
+    from tpuattn.pallas.blocks import compiled_table
+
+    rows = compiled_table()["rows"]
+    errors = [r for r in rows if r["status"] == "compile_error"]
+    picks = [errors[0], errors[-1], next(r for r in rows if r["status"] == "ok" and r["block_q"] == 1024)]
+    row = picks[index]
+    again = aot.block_row(row["chip"], row["kernel"], row["block_q"], row["block_kv"], row["head_dim"],
+                          row["dtype"])
+    assert again["status"] == row["status"], (row, again["error"])

@@ -12,7 +12,7 @@ so there is no import cycle.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from tpuattn.spec import AttentionSpec
 
@@ -51,9 +51,14 @@ class Implementation:
       schedule: the roofline model of its schedule ("materialised", "flash", "flash (row-sum pass)",
         "blockwise (XLA loop)"),
         ``None`` when not modelled.
-      default_blocks: ``default_blocks(spec, vmem_bytes) -> (block_q, block_kv)``: the blocks it runs by
-        default (``vmem_bytes`` is the target chip's, ``None`` for this machine), for the model.
+      default_blocks: ``default_blocks(spec, chip) -> (block_q, block_kv)``: the blocks it runs by
+        default on ``chip`` (a chip name; ``None``: the target chip, or this machine), for the model.
       options: the option names ``fn`` accepts.
+      model: parameters of its schedule's model, read by :mod:`tpuattn.model.roofline` (what the
+        compiler showed this implementation does): ``live_scores`` ``{mode: f(p) -> bytes}`` per score
+        element live at the peak (materialised; ``p`` = bytes of P), ``lse_row_bytes`` (flash: bytes
+        per query row of the saved logsumexp as the kernel writes it), ``kernel_layout_copies``
+        (flash: the wrapper copies Q, K, V and O to and from ``[batch, heads, seq, head_dim]``).
     """
 
     name: str
@@ -64,8 +69,9 @@ class Implementation:
     auto_rank: Callable[[AttentionSpec, str], float | None] = _never_auto
     interpreted_off_tpu: bool = False
     schedule: str | None = None
-    default_blocks: Callable[[AttentionSpec, int | None], tuple[int, int]] | None = None
+    default_blocks: Callable[[AttentionSpec, str | None], tuple[int, int]] | None = None
     options: tuple[str, ...] = ()
+    model: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
 
 _REGISTRY: dict[str, Implementation] = {}

@@ -427,7 +427,7 @@ def blockwise_auto_rank(spec, backend: str) -> float:
 
 
 register("blockwise", blockwise_attention, auto_rank=blockwise_auto_rank, schedule="blockwise (XLA loop)",
-         default_blocks=lambda spec, vmem_bytes=None: default_blocks(spec.q_len, spec.kv_len),
+         default_blocks=lambda spec, chip=None: default_blocks(spec.q_len, spec.kv_len),
          options=OPTIONS,
          description="online softmax in pure JAX: static schedule over key blocks, masked blocks "
                      "skipped, recomputing custom VJP (linear memory)")

@@ -238,7 +238,7 @@ def _splash_available() -> bool:
     return True
 
 
-def default_blocks(spec, vmem_bytes: int | None = None) -> tuple[int, int]:
+def default_blocks(spec, chip=None) -> tuple[int, int]:
     """The tiles ``impl="splash"`` runs by default: 512, capped at the 128-rounded lengths."""
     return (min(DEFAULT_SPLASH_BLOCK, round_up(spec.q_len, SPLASH_LANES)),
             min(DEFAULT_SPLASH_BLOCK, round_up(spec.kv_len, SPLASH_LANES)))
@@ -275,4 +275,7 @@ def splash_auto_rank(spec, backend: str) -> float | None:
 register("splash", splash_attention, supports=splash_supports, available=_splash_available,
          auto_rank=splash_auto_rank, interpreted_off_tpu=True, schedule="flash",
          default_blocks=default_blocks, options=SPLASH_OPTIONS,
+         # The adapter transposes Q, K, V to [batch, heads, seq, head_dim] (and O back); the kernel
+         # saves a float32 logsumexp per row.
+         model={"lse_row_bytes": 4, "delta_row_bytes": 4, "kernel_layout_copies": True},
          description="JAX's splash-attention Pallas kernel (TPU; interpret mode elsewhere)")

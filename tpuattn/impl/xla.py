@@ -120,6 +120,10 @@ def xla_auto_rank(spec, backend: str) -> float:
     return 0.0
 
 
+# What XLA:TPU keeps live (its compiled memory analysis, v5e, JAX 0.10.2): with bf16 inputs two f32
+# [B, H, T, T] buffers (the scores and their exponentials), with f32 one; the backward adds ~4 bytes.
+LIVE_SCORES = {"fwd": lambda p: 8 if p < 4 else 4, "fwd+bwd": lambda p: 8}
+
 register("xla", xla_attention, supports=xla_supports, auto_rank=xla_auto_rank, schedule="materialised",
-         options=XLA_OPTIONS,
+         options=XLA_OPTIONS, model={"live_scores": LIVE_SCORES},
          description="jax.nn.dot_product_attention (XLA; cuDNN on a GPU when the case allows)")

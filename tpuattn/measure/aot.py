@@ -109,6 +109,40 @@ def _hlo_counts(text: str) -> tuple[int, int]:
     return fusions, custom_calls
 
 
+def compile_for(chip_name: str, fn, args):
+    """Compile ``jax.jit(fn)`` for one device of ``chip_name`` with ``args`` (``ShapeDtypeStruct`` s
+    whose sharding is ignored) -- inside :func:`tpuattn.chips.target`, so the code works for that chip.
+
+    Returns the compiled executable; the compiler's errors propagate. Any function compiles this
+    way, the notebooks' own lesson kernels included.
+    """
+    import jax
+
+    from tpuattn import chips
+
+    chip = chips.get(chip_name)
+    sharding = jax.sharding.SingleDeviceSharding(topology_device(chip))
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    with chips.target(chip):
+        return jax.jit(fn).lower(*placed).compile()
+
+
+def compiled_facts(compiled) -> dict:
+    """What the compiler says about a compiled program: memory, cost and HLO counts."""
+    memory = compiled.memory_analysis()
+    parts = {key: getattr(memory, f"{key}_size_in_bytes", None) for key in ("argument", "output", "temp")}
+    facts = dict(argument_bytes=parts["argument"], output_bytes=parts["output"], temp_bytes=parts["temp"],
+                 peak_hbm_bytes=sum(v for v in parts.values() if v is not None),
+                 flops=None, bytes_accessed=None, optimal_seconds=None)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    if cost:
+        facts.update(flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
+                     optimal_seconds=cost.get("optimal_seconds"))
+    facts["fusions"], facts["custom_calls"] = _hlo_counts(compiled.as_text())
+    return facts
+
+
 def compile_row(chip_name: str, impl: str, mode: str, problem: Problem, options: dict | None = None) -> dict:
     """Compile one (chip, implementation, mode, problem) for a TPU; return its report row."""
     import jax
@@ -130,15 +164,12 @@ def compile_row(chip_name: str, impl: str, mode: str, problem: Problem, options:
                causal=problem.causal, window=problem.window, softcap=problem.softcap,
                segments=problem.segments, label=LABEL, jax_version=jax_version,
                libtpu_version=libtpu_version)
-    device = topology_device(chip)
-    sharding = jax.sharding.SingleDeviceSharding(device)
     q_shape, kv_shape = problem.shapes()
     dtype = jnp.dtype(problem.dtype)
-    args = [jax.ShapeDtypeStruct(q_shape, dtype, sharding=sharding),
-            jax.ShapeDtypeStruct(kv_shape, dtype, sharding=sharding),
-            jax.ShapeDtypeStruct(kv_shape, dtype, sharding=sharding)]
+    args = [jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(kv_shape, dtype),
+            jax.ShapeDtypeStruct(kv_shape, dtype)]
     if problem.segments:
-        args.append(jax.ShapeDtypeStruct(q_shape[:2], np.int32, sharding=sharding))
+        args.append(jax.ShapeDtypeStruct(q_shape[:2], np.int32))
     kwargs = dict(causal=problem.causal, window=problem.window, softcap=problem.softcap, impl=impl,
                   **(options or {}))
 
@@ -151,29 +182,68 @@ def compile_row(chip_name: str, impl: str, mode: str, problem: Problem, options:
 
     fn = attend if mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
     start = time.perf_counter()
-    with chips.target(chip):
-        try:
-            compiled = jax.jit(fn).lower(*args).compile()
-        except (UnsupportedInput, UnavailableImplementation) as error:
-            row.update(status="unsupported", error=str(error))
-            return row
-        except Exception as error:  # noqa: BLE001 - the compiler's own errors have many types
-            row.update(status="compile_error", error=_first_error_line(error),
-                       compile_s=time.perf_counter() - start)
-            return row
+    try:
+        compiled = compile_for(chip.name, fn, args)
+    except (UnsupportedInput, UnavailableImplementation) as error:
+        row.update(status="unsupported", error=str(error))
+        return row
+    except Exception as error:  # noqa: BLE001 - the compiler's own errors have many types
+        row.update(status="compile_error", error=_first_error_line(error),
+                   compile_s=time.perf_counter() - start)
+        return row
     row["compile_s"] = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    parts = {key: getattr(memory, f"{key}_size_in_bytes", None) for key in ("argument", "output", "temp")}
-    row.update(status="ok", argument_bytes=parts["argument"], output_bytes=parts["output"],
-               temp_bytes=parts["temp"],
-               peak_hbm_bytes=sum(v for v in parts.values() if v is not None))
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
-    if cost:
-        row.update(flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
-                   optimal_seconds=cost.get("optimal_seconds"))
-    row["fusions"], row["custom_calls"] = _hlo_counts(compiled.as_text())
+    row.update(status="ok", **compiled_facts(compiled))
     return row
+
+
+# ---------------------------------------------------------------------------- block sizes
+BLOCK_CANDIDATES = (128, 256, 512, 1024)
+BLOCK_COLUMNS = ("chip", "kernel", "head_dim", "dtype", "block_q", "block_kv", "status", "error",
+                 "modelled_vmem_bytes", "compile_s", "label", "jax_version", "libtpu_version")
+KERNELS = ("forward", "backward")
+
+
+def block_row(chip_name: str, kernel: str, block_q: int, block_kv: int, head_dim: int, dtype: str) -> dict:
+    """Does the Pallas kernel compile for ``chip_name`` with these blocks, at Mosaic's default scoped
+    VMEM limit? ``kernel`` is ``"forward"`` or ``"backward"`` (both backward passes share the blocks;
+    the forward then runs at 128 x 128, which always fits)."""
+    import jax.numpy as jnp
+
+    from tpuattn.pallas import blocks as pallas_blocks
+    from tpuattn.pallas.layout import padded_head_dim
+
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    small = pallas_blocks.BlockSizes.uniform(128)
+    if kernel == "forward":
+        sizes = pallas_blocks.BlockSizes(pallas_blocks.ForwardBlocks(block_q, block_kv), small.backward)
+        vmem_model = pallas_blocks.forward_vmem_bytes
+    else:
+        sizes = pallas_blocks.BlockSizes(small.forward, pallas_blocks.BackwardBlocks(block_q, block_kv))
+        vmem_model = pallas_blocks.backward_vmem_bytes
+    problem = Problem(seq_len=max(BLOCK_CANDIDATES), heads=1, head_dim=head_dim, dtype=dtype, causal=False)
+    row = compile_row(chip_name, "pallas", "fwd" if kernel == "forward" else "fwd+bwd", problem,
+                      {"block_sizes": sizes})
+    modelled = vmem_model(block_q, block_kv, padded_head_dim(head_dim), jnp.dtype(dtype).itemsize)
+    return {"chip": row["chip"], "kernel": kernel, "head_dim": head_dim, "dtype": dtype, "block_q": block_q,
+            "block_kv": block_kv, "status": row["status"], "error": row["error"],
+            "modelled_vmem_bytes": modelled, "compile_s": row["compile_s"], "label": LABEL,
+            "jax_version": row["jax_version"], "libtpu_version": row["libtpu_version"]}
+
+
+def block_table(chip_names, head_dims=(64, 128, 256), dtypes=("bfloat16", "float32"),
+                candidates=BLOCK_CANDIDATES, kernels=KERNELS, progress: bool = True) -> list:
+    """:func:`block_row` for every chip, kernel, head_dim, dtype and pair ``block_kv <= block_q``."""
+    jobs = [(c, k, bq, bk, d, t) for c in chip_names for k in kernels for d in head_dims for t in dtypes
+            for bq in candidates for bk in candidates if bk <= bq]
+    rows = []
+    for n, job in enumerate(jobs, 1):
+        rows.append(block_row(*job))
+        if progress:
+            r = rows[-1]
+            print(f"[{n}/{len(jobs)}] {r['chip']} {r['kernel']} d={r['head_dim']} {r['dtype']} "
+                  f"{r['block_q']}x{r['block_kv']}: {r['status']}", flush=True)
+    return rows
 
 
 # ---------------------------------------------------------------------------- reports and the CLI
@@ -191,17 +261,17 @@ def report(chip_names, impls, modes, problems, *, options: dict | None = None, p
     return rows
 
 
-def save(rows, out_dir) -> tuple:
-    """Write ``rows`` to ``out_dir/aot.csv`` and ``out_dir/aot.json``; return the two paths."""
+def save(rows, out_dir, name: str = "aot", columns=COLUMNS) -> tuple:
+    """Write ``rows`` to ``out_dir/<name>.csv`` and ``out_dir/<name>.json``; return the two paths."""
     import csv
     import json
     from pathlib import Path
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path = out / "aot.csv", out / "aot.json"
+    csv_path, json_path = out / f"{name}.csv", out / f"{name}.json"
     with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
     json_path.write_text(json.dumps({"label": LABEL, "rows": rows}, indent=1, default=str))
@@ -240,12 +310,22 @@ def main(argv=None) -> list:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", choices=("true", "false"), default="true")
     parser.add_argument("--out", default="out/aot")
+    parser.add_argument("--blocks", action="store_true",
+                        help="instead: which Pallas block sizes compile per chip, head_dim (--head-dims) and "
+                             "dtype (--dtypes), written to blocks.csv/json")
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if not tpu_available():
         parser.error('libtpu is not installed: pip install "jax[tpu]==<your JAX version>" '
                      "(the compile-only TPU devices come with it)")
     split = lambda text: [item for item in text.split(",") if item]
+    if args.blocks:
+        rows = block_table(split(args.chips), [int(d) for d in split(args.head_dims)], split(args.dtypes),
+                           progress=not args.no_progress)
+        print("wrote", *save(rows, args.out, "blocks", BLOCK_COLUMNS))
+        return rows
     problems = [Problem(seq_len=int(t), batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                         head_dim=args.head_dim, dtype=args.dtype, causal=args.causal == "true")
                 for t in split(args.seq_lens)]

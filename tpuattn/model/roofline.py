@@ -100,9 +100,15 @@ class ChipSpec:
         """The VMEM a kernel is given: the budget the Pallas kernel's default blocks fit in."""
         return vmem_budget_bytes(self.vmem_bytes)
 
-    def peak_flops(self, dtype) -> float:
-        """bf16/f16 inputs run at bf16 peak; f32 at the modelled :attr:`f32_flops`."""
-        return self.f32_flops if _dtype_name(dtype) == "float32" else self.bf16_flops
+    def peak_flops(self, dtype, precision: str = "highest") -> float:
+        """bf16/f16 inputs run at bf16 peak; f32 at the modelled :attr:`f32_flops` -- unless
+        ``precision="default"``: JAX's default TPU precision multiplies f32 in one bf16 pass (what
+        plain user code gets; every implementation here asks for ``"highest"``)."""
+        if precision not in ("highest", "default"):
+            raise ValueError(f"precision: expected 'highest' or 'default', got {precision!r}")
+        if _dtype_name(dtype) == "float32" and precision == "highest":
+            return self.f32_flops
+        return self.bf16_flops
 
     def ridge_point(self, dtype="bfloat16") -> float:
         """Arithmetic intensity (FLOP/byte) above which a kernel is compute bound."""
@@ -201,24 +207,27 @@ class Cost:
         return self.flops / self.hbm_bytes
 
 
-# Passes over the score matrix of the materialised schedule, in bytes per score element.
-# ``p`` is the byte size of P (the reference casts P to v's dtype; float32 stays 4 bytes).
-# Forward (reference.py and jax.nn.dot_product_attention(implementation="xla") alike):
+# Passes over the score matrix of the materialised schedule, in bytes per score element, as
+# XLA:TPU fuses ``reference.py``'s graph (its optimised HLO for v5e, JAX 0.10.2, where every
+# [batch, heads, q_len, kv_len] buffer lives in HBM): the forward is three fusions, the exp and the
+# normalisation fused into the reductions and into the P V matmul. ``p`` is the byte size of P (cast
+# to v's dtype; float32 stays 4 bytes). Other graphs (jax.nn's XLA path) fuse less, so this is the
+# fewest bytes a materialised schedule moves: a lower bound for all of them.
 MATERIALISED_FWD_PASSES = (
-    ("S = scale * Q K^T: write S (f32)", lambda p: 4),
-    ("row max: read S", lambda p: 4),
+    ("S = scale * Q K^T fused with the row max: write S (f32)", lambda p: 4),
     ("row sum of exp(S - m): read S", lambda p: 4),
-    ("P = exp(S - m) / l: read S, write P", lambda p: 4 + p),
-    ("O = P V: read P", lambda p: p),
+    ("O = (exp(S - m) / l) V, the softmax fused into the matmul: read S", lambda p: 4),
 )
-# Backward of that graph under autodiff (P is the saved residual; nothing is recomputed):
+# fwd+bwd: the forward also writes P for the backward, which then reads it in three fusions.
 MATERIALISED_BWD_PASSES = (
-    ("dP = dO V^T: write dP (f32)", lambda p: 4),
-    ("row sum of P * dP: read P, dP", lambda p: p + 4),
-    ("dS = P * (dP - r): read P, dP, write dS (f32)", lambda p: p + 4 + 4),
-    ("dV = P^T dO: read P", lambda p: p),
-    ("dQ = dS K, dK = dS^T Q: read dS twice", lambda p: 8),
+    ("forward keeps P for the backward: write P", lambda p: p),
+    ("dP = dO V^T fused with dS = P (dP - r): read P, S", lambda p: p + 4),
+    ("dQ = dS K and dK = dS^T Q, dS recomputed in the matmuls: read P, S", lambda p: p + 4),
+    ("dV = P^T dO with the row sums: read S", lambda p: 4),
 )
+# Bytes per score element live at the peak, when the record does not say (``model["live_scores"]``):
+# S in f32, plus P for the backward.
+DEFAULT_LIVE_SCORES = {"fwd": lambda p: 4, "fwd+bwd": lambda p: 4 + p}
 
 
 def models() -> dict[str, str]:
@@ -247,25 +256,35 @@ def _io_bytes(spec) -> tuple[float, float, float]:
     return q, kv, e
 
 
-def _materialised(impl: str, spec, mode: str) -> Cost:
+def _materialised(impl: str, spec, mode: str, chip: ChipSpec | None = None) -> Cost:
+    """Every score computed and kept in HBM. ``chip``: score buffers that fit the device's VMEM cost no
+    HBM traffic (the compiler may keep them on chip: on v5e a 64 MiB score buffer stayed in VMEM and
+    a 128 MiB one went to HBM), the optimistic side, as a lower bound must be. The peak always
+    counts them in HBM. Not counted: a boolean [q_len, kv_len] mask XLA sometimes materialises (seen
+    for jax.nn's path in float32 on v4: 64 MiB at 8192 tokens, 12% of the peak with 2 heads, 3% with 8)."""
     q_bytes, kv_bytes, e = _io_bytes(spec)
     p = e  # P is cast to v's dtype; 4 bytes when v is f32
     n = spec.batch * spec.num_q_heads * spec.q_len * spec.kv_len  # score elements
     d = spec.head_dim
+    live = {**DEFAULT_LIVE_SCORES, **api.get_implementation(impl).model.get("live_scores", {})}[mode](p) * n
+    lean = DEFAULT_LIVE_SCORES[mode](p) * n
+    io = q_bytes + 2 * kv_bytes + (q_bytes if mode == "fwd" else q_bytes + 2 * kv_bytes)  # in, out
+    if chip is not None and live + io > chip.hbm_capacity:
+        live = lean  # short of HBM, XLA falls back to the leanest graph (seen for jax.nn's path)
+    on_chip = chip is not None and live <= chip.vmem_bytes * chip.tensor_cores
+    where = " (on chip: no HBM traffic)" if on_chip else ""
     flops = float(FORWARD_FLOPS_PER_SCORE) * n * d  # QK^T and PV over every pair: masks skip no work
     breakdown = [("read Q, K, V", q_bytes + 2 * kv_bytes), ("write O", q_bytes)]
-    breakdown += [(name, per(p) * n) for name, per in MATERIALISED_FWD_PASSES]
-    peak = (4 + p) * n  # S and P alive together in the normalise pass
+    breakdown += [(name + where, 0.0 if on_chip else per(p) * n) for name, per in MATERIALISED_FWD_PASSES]
     if mode == "fwd+bwd":
         flops += 8.0 * n * d  # dP, dV, dQ, dK: four matmuls, no recompute
         breakdown += [("bwd: read Q, K, V, dO; write dQ, dK, dV", 2 * q_bytes + 2 * kv_bytes + q_bytes
                        + 2 * kv_bytes)]
-        breakdown += [("bwd: " + name, per(p) * n) for name, per in MATERIALISED_BWD_PASSES]
-        peak = max(peak, (p + 4 + 4) * n)  # P (residual), dP and dS alive together
-    peak += 2 * q_bytes + 2 * kv_bytes + (2 * q_bytes + 2 * kv_bytes if mode == "fwd+bwd" else 0)
+        breakdown += [("bwd: " + name + where, 0.0 if on_chip else per(p) * n)
+                      for name, per in MATERIALISED_BWD_PASSES]
     return Cost(impl=impl, mode=mode, schedule="materialised", flops=flops,
                 standard_flops=standard_flops(spec, mode), hbm_bytes=sum(b for _, b in breakdown),
-                peak_hbm_bytes=float(peak), vmem_bytes=0.0, breakdown=tuple(breakdown))
+                peak_hbm_bytes=float(live + io), vmem_bytes=0.0, breakdown=tuple(breakdown))
 
 
 @functools.lru_cache(maxsize=256)
@@ -291,8 +310,11 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     """The flash schedule. ``row_sum_pass``: the backward's delta is rowsum(P * dP), summed by a pass
     of its own over the visited tiles (tpuattn's Pallas kernel), not rowsum(dO * O) (splash)."""
     _check_blocks(q_block, kv_block)
+    params = api.get_implementation(impl).model
+    lse_row, delta_row = params.get("lse_row_bytes", 4), params.get("delta_row_bytes", 4)
     e = _itemsize(spec.dtype)
-    d = spec.head_dim
+    # A kernel that pads head_dim to the 128 lanes moves and multiplies the padded width.
+    d = padded_head_dim(spec.head_dim) if params.get("pads_head_dim") else spec.head_dim
     visited, nq, nk, _ = _visited_tiles(spec.mask, q_block, kv_block)
     heads = spec.batch * spec.num_q_heads  # the grid runs over (batch, q head, q block, kv block)
     tile_flops = float(FORWARD_FLOPS_PER_SCORE) * q_block * kv_block * d  # QK^T and PV of one tile
@@ -303,7 +325,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     breakdown = [
         ("read Q (once per q block)", heads * nq * q_tile),
         ("read K, V (once per visited tile)", heads * visited * 2 * kv_tile),
-        ("write O and logsumexp", heads * nq * (q_tile + 4 * q_block)),
+        ("write O", heads * nq * q_tile),
     ]
     flops = heads * visited * tile_flops
     # VMEM of one grid step: the Pallas kernel's own accounting (head_dim padded to the lanes).
@@ -313,13 +335,13 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
         if row_sum_pass:
             breakdown += [
                 ("bwd row sums: read Q, dO, lse; write delta (once per q block)",
-                 heads * nq * (2 * q_tile + 8 * q_block + 4 * q_block)),
+                 heads * nq * (2 * q_tile + (lse_row + delta_row) * q_block)),
                 ("bwd row sums: read K, V (per visited tile)", heads * visited * 2 * kv_tile),
             ]
             flops += heads * visited * 1.0 * tile_flops  # S and dP again: two matmuls
         else:
             breakdown.append(("bwd: delta = rowsum(dO * O): read O, dO; write delta",
-                              heads * nq * (2 * q_tile + 4 * q_block)))
+                              heads * nq * (2 * q_tile + delta_row * q_block)))
         if fused_backward:
             # One kernel, kv outer: K_j, V_j read once, dK_j, dV_j written once; per visited
             # tile Q_i, dO_i, lse_i, delta_i read and dQ_i read-modified-written (f32).
@@ -327,7 +349,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
                 ("bwd: read K, V; write dK, dV (once per kv block and kv head)",
                  spec.batch * spec.num_kv_heads * nk * 4 * kv_tile),
                 ("bwd: read Q, dO, lse, delta; update dQ (per visited tile)",
-                 heads * visited * (2 * q_tile + 8 * q_block + 2 * q_block * d * 4)),
+                 heads * visited * (2 * q_tile + (lse_row + delta_row) * q_block + 2 * q_block * d * 4)),
             ]
             flops += heads * visited * 2.5 * tile_flops  # S, dP, dV, dK, dQ: five matmuls
         else:
@@ -335,17 +357,38 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
                 ("bwd dK/dV kernel: read K, V; write dK, dV (once per kv block and kv head)",
                  spec.batch * spec.num_kv_heads * nk * 4 * kv_tile),
                 ("bwd dK/dV kernel: read Q, dO, lse, delta (per visited tile)",
-                 heads * visited * (2 * q_tile + 8 * q_block)),
+                 heads * visited * (2 * q_tile + (lse_row + delta_row) * q_block)),
                 ("bwd dQ kernel: read Q, dO, lse, delta; write dQ (once per q block)",
-                 heads * nq * (3 * q_tile + 8 * q_block)),
+                 heads * nq * (3 * q_tile + (lse_row + delta_row) * q_block)),
                 ("bwd dQ kernel: read K, V (per visited tile)", heads * visited * 2 * kv_tile),
             ]
             flops += heads * visited * 3.5 * tile_flops  # dK/dV: S, dP, dV, dK; dQ: S, dP, dQ
+    # What the implementation writes and copies besides the tiles (its record's ``model``): the
+    # saved logsumexp and delta per query row (tpuattn's kernel keeps them 128 lanes wide: 512 bytes
+    # a row), and the wrapper's copies to and from the kernel layout [batch, heads, seq, head_dim].
     q_bytes, kv_bytes, _ = _io_bytes(spec)
-    lse = spec.batch * spec.num_q_heads * spec.q_len * 4
-    peak = 2 * q_bytes + 2 * kv_bytes + lse
+    widen = d / spec.head_dim  # the kernel layout's head_dim over the contract's
+    rows = spec.batch * spec.num_q_heads * spec.q_len
+    lse, delta = rows * lse_row, rows * delta_row
+    copies = params.get("kernel_layout_copies", False)
+    breakdown.append(("write logsumexp", lse))
+    if copies:
+        breakdown.append(("wrapper: Q, K, V into the kernel layout (read + write)",
+                          (1 + widen) * (q_bytes + 2 * kv_bytes)))
+        breakdown.append(("wrapper: O out of the kernel layout (read + write)", (1 + widen) * q_bytes))
+        if mode == "fwd+bwd":
+            breakdown.append(("wrapper: dO in, dQ, dK, dV out (read + write)",
+                              (1 + widen) * (2 * q_bytes + 2 * kv_bytes)))
+    # Live at the peak: inputs and outputs, the kernel-layout copies of Q, K, V, the logsumexp, and
+    # for the backward O and dO (kernel layout) and delta (the compiler's memory analysis agrees
+    # within a few percent once these buffers are too large to stay in VMEM).
+    peak = q_bytes + 2 * kv_bytes + (q_bytes if mode == "fwd" else q_bytes + 2 * kv_bytes) + lse
+    if copies:
+        peak += widen * (q_bytes + 2 * kv_bytes)
+    if widen > 1:  # the kernels' padded outputs are buffers of their own (unpadded, the compiler reuses)
+        peak += widen * q_bytes + (widen * (q_bytes + 2 * kv_bytes) if mode == "fwd+bwd" else 0)
     if mode == "fwd+bwd":
-        peak += 2 * q_bytes + 2 * kv_bytes + lse  # dO, dQ, dK, dV, delta
+        peak += 2 * widen * q_bytes + delta
     name = "flash (row-sum pass)" if row_sum_pass else "flash"
     return Cost(impl=impl, mode=mode, schedule=name, flops=flops,
                 standard_flops=standard_flops(spec, mode),
@@ -427,11 +470,11 @@ def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int) -> Cost:
 
 def default_blocks(impl: str, spec, chip: ChipSpec | None = None) -> tuple[int, int]:
     """The ``(q_block, kv_block)`` ``impl`` runs by default for ``spec`` (its record's
-    ``default_blocks``), on ``chip`` (its VMEM; ``None``: this machine's)."""
+    ``default_blocks``), on ``chip`` (``None``: the target chip, or this machine)."""
     record = api.get_implementation(impl)
     if record.default_blocks is None:
         raise ValueError(f"q_block, kv_block: {impl!r} registers no default blocks; pass both")
-    return tuple(record.default_blocks(spec, None if chip is None else chip.vmem_bytes))
+    return tuple(record.default_blocks(spec, None if chip is None else _as_chip_spec(chip).name))
 
 
 def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_block: int | None = None,
@@ -445,7 +488,7 @@ def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_b
     if schedule is None:
         raise ValueError(f"impl: expected one of {sorted(models())} (modelled schedules), got {impl!r}")
     if schedule == "materialised":
-        return _materialised(impl, spec, mode)
+        return _materialised(impl, spec, mode, None if chip is None else _as_chip_spec(chip))
     if q_block is None or kv_block is None:
         default_q, default_kv = default_blocks(impl, spec, chip)
         q_block = default_q if q_block is None else q_block
@@ -499,17 +542,22 @@ class Prediction:
                 "vmem_bytes": self.cost.vmem_bytes, "fits_vmem": self.fits_vmem, "label": "modelled"}
 
 
-def predict(impl: str, spec, chip, mode: str = "fwd", **schedule) -> Prediction:
-    """Lower-bound time ``max(flops / peak, bytes / bandwidth)`` of ``impl`` on ``chip``."""
+def predict(impl: str, spec, chip, mode: str = "fwd", *, precision: str = "highest",
+            **schedule) -> Prediction:
+    """Lower-bound time ``max(flops / peak, bytes / bandwidth)`` of ``impl`` on ``chip``
+    (``precision`` as in :meth:`ChipSpec.peak_flops`)."""
     chip = _as_chip_spec(chip)
     c = cost(impl, spec, mode, chip=chip, **schedule)
-    return Prediction(cost=c, chip=chip, compute_s=c.flops / chip.peak_flops(spec.dtype),
+    return Prediction(cost=c, chip=chip, compute_s=c.flops / chip.peak_flops(spec.dtype, precision),
                       memory_s=c.hbm_bytes / chip.hbm_bandwidth)
 
 
 def materialise_crossover(chip, *, batch: int = 1, heads: int = 8, kv_heads: int | None = None,
                           head_dim: int = 128, dtype="bfloat16", mode: str = "fwd") -> int:
-    """Smallest sequence length whose materialised schedule no longer fits in HBM (modelled).
+    """Smallest sequence length at which no materialised schedule fits in HBM: even the leanest graph
+    (S in f32, plus P for the backward) exceeds it (modelled; the compile stage checks it against the
+    compiler's own out-of-memory: jax.nn's XLA path keeps a second score buffer while HBM allows and
+    drops it when short).
 
     The live set grows as ``c2 * T^2 + c1 * T`` (score buffers plus inputs and outputs); this
     solves ``c2 * T^2 + c1 * T > capacity`` exactly.
@@ -519,7 +567,7 @@ def materialise_crossover(chip, *, batch: int = 1, heads: int = 8, kv_heads: int
 
     def peak(t: int) -> float:
         spec = problem(t, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-        return _materialised("materialised", spec, mode).peak_hbm_bytes
+        return _materialised("reference", spec, mode).peak_hbm_bytes
 
     c1 = peak(1) - (peak(2) - 2 * peak(1)) / 2  # from peak(t) = c2 t^2 + c1 t
     c2 = (peak(2) - 2 * peak(1)) / 2

@@ -55,6 +55,7 @@ from tpuattn.pallas.blocks import (
 )
 from tpuattn.pallas.compat import races_found, reset_races
 from tpuattn.pallas.forward import forward as flash_forward
+from tpuattn.pallas.layout import LANES
 from tpuattn.pallas.plan import ScheduleCounts, kv_schedule
 from tpuattn.pallas.vjp import OPTIONS, pallas_attention, resolve_interpret
 from tpuattn.registry import register
@@ -76,8 +77,8 @@ __all__ = [
 ]
 
 
-def _default_forward_blocks(spec, vmem_bytes=None) -> tuple[int, int]:
-    forward = default_block_sizes(spec.head_dim, spec.dtype, vmem_bytes).forward
+def _default_forward_blocks(spec, chip=None) -> tuple[int, int]:
+    forward = default_block_sizes(spec.head_dim, spec.dtype, chip=chip).forward
     return forward.block_q, forward.block_kv
 
 
@@ -94,4 +95,8 @@ register(
     schedule="flash (row-sum pass)",
     default_blocks=_default_forward_blocks,
     options=OPTIONS,
+    # logsumexp and delta are kept 128 lanes wide (f32), head_dim padded to 128, and the wrapper
+    # copies Q, K, V, O (dO, dQ, dK, dV) to and from [batch, heads, seq, head_dim] around the kernels.
+    model={"lse_row_bytes": 4 * LANES, "delta_row_bytes": 4 * LANES, "pads_head_dim": True,
+           "kernel_layout_copies": True},
 )

@@ -12,11 +12,21 @@ puts one of its sequence extents on the lane axis somewhere in a kernel:
 
 Blocks larger than the (padded) sequence are clamped to it, so a 7-token problem uses an
 8 x 128 forward tile, not 512 x 512.
+
+**Defaults come from the compiler.** ``compiled_blocks.json`` records which (block_q, block_kv) the
+real TPU compiler accepts for each chip, kernel, head_dim and dtype at Mosaic's default scoped VMEM
+limit (``python -m tpuattn.aot --blocks``; compiled, not run). For a chip in that table the default
+is the largest accepted pair up to 512 -- or 1024 where the chip's ridge point (peak FLOP/s over HBM
+bandwidth) exceeds 512 FLOP/byte, since the forward's arithmetic intensity is about ``block_q``
+FLOP/byte in bf16. Elsewhere (no TPU: interpret mode; head_dim above 256) the VMEM model below picks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+from pathlib import Path
 
 from tpuattn import chips
 from tpuattn._checks import is_int, positive_int, round_up
@@ -143,10 +153,51 @@ def vmem_budget_bytes(capacity: int) -> int:
     return min(capacity // 8, 16 * 1024 * 1024)
 
 
-def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None) -> BlockSizes:
-    """The largest square-ish blocks (from 512, 256, 128) whose VMEM need fits the budget.
+COMPILED_TABLE = Path(__file__).with_name("compiled_blocks.json")
 
-    Example: v5e (128 MiB VMEM -> 16 MiB budget), head_dim 128, bfloat16: the forward at
+
+@functools.lru_cache(maxsize=1)
+def compiled_table() -> dict:
+    """The committed compile table: ``{"rows": [...], "jax_version": ..., "libtpu_version": ...}``."""
+    return json.loads(COMPILED_TABLE.read_text())
+
+
+def compiled_pairs(chip: str, kernel: str, head_dim: int, dtype) -> list[tuple[int, int]]:
+    """The (block_q, block_kv) the TPU compiler accepted for ``chip``'s ``kernel`` ("forward" or
+    "backward") at this head_dim (padded to 128) and dtype; empty when the table has no such rows."""
+    import jax.numpy as jnp
+
+    d, name = padded_head_dim(head_dim), jnp.dtype(dtype).name
+    return [(r["block_q"], r["block_kv"]) for r in compiled_table()["rows"]
+            if r["chip"] == chip and r["kernel"] == kernel and r["head_dim"] == d and r["dtype"] == name
+            and r["status"] == "ok"]
+
+
+def target_block(chip: chips.Chip) -> int:
+    """512, or 1024 where the chip's ridge point exceeds 512 FLOP/byte (v6e)."""
+    device = chip.per_device()
+    return 1024 if device["bf16_flops"] / device["hbm_bandwidth"] > 512 else 512
+
+
+def _from_compiled(chip: chips.Chip, head_dim: int, dtype) -> BlockSizes | None:
+    limit = target_block(chip)
+
+    def best(kernel):
+        pairs = [(q, k) for q, k in compiled_pairs(chip.name, kernel, head_dim, dtype) if k <= q <= limit]
+        return max(pairs, key=lambda p: (p[0] * p[1], p[0])) if pairs else None
+
+    forward, backward = best("forward"), best("backward")
+    if forward is None or backward is None:
+        return None
+    return BlockSizes(ForwardBlocks(*forward), BackwardBlocks(*backward))
+
+
+def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None, chip=None) -> BlockSizes:
+    """Default blocks: from the compiler's table for the target chip (``chip``, a name or
+    :class:`~tpuattn.chips.Chip`; else :func:`tpuattn.chips.target_chip`), otherwise the largest
+    square-ish blocks (from 512, 256, 128) whose modelled VMEM need fits the budget.
+
+    Example of the model: v5e (128 MiB VMEM -> 16 MiB budget), head_dim 128, bfloat16: the forward at
     512 x 512 needs 2*(512+1024)*128*2 + 2*512*128*2 + 4*512*(128+256) + 12*512*512
     = 0.79 + 0.26 + 0.79 + 3.15 MB ~ 5 MB, so 512 x 512; on CPU (16 MiB default -> 2 MiB
     budget) the same problem gets 256 x 256 (1.7 MB), and float32 with head_dim 256 gets 128 x 128.
@@ -154,7 +205,14 @@ def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None) -> 
     import jax.numpy as jnp
 
     if vmem_bytes is None:
-        vmem_bytes, _ = chips.vmem_bytes()
+        target = chips.get(chip) if isinstance(chip, str) else (chip or chips.target_chip())
+        if target is not None:
+            compiled = _from_compiled(target, head_dim, dtype)
+            if compiled is not None:
+                return compiled
+            vmem_bytes = target.vmem_bytes
+        else:
+            vmem_bytes, _ = chips.vmem_bytes()
     budget = vmem_budget_bytes(vmem_bytes)
     d = padded_head_dim(head_dim)
     itemsize = jnp.dtype(dtype).itemsize
