@@ -2,10 +2,10 @@
 
 Two environments live at the repository root, each built from an exact pin file:
 
-* ``.venv``            JAX 0.10.2 plus the notebook and dev tools (``requirements/ci-jax0.10.2.txt``)
+* ``.venv``            JAX 0.10.2 with libtpu (the TPU compiler, compile-only here) plus the notebook and
+                       dev tools (``requirements/ci-jax0.10.2.txt``); used with ``JAX_PLATFORMS=cpu``
+                       (:data:`CPU_WITH_TPU_COMPILER`) so JAX does not look for a TPU at start
 * ``.venv-jax0.7.2``   JAX 0.7.2, Colab's TPU runtime, for the unit tests (``requirements/ci-jax0.7.2.txt``)
-* ``.venv-tpu-compile`` JAX 0.10.2 with libtpu: the TPU compiler on this machine, for the compile stage
-                       (``requirements/ci-tpu-compile.txt``)
 
 The package is installed editable with ``--no-deps`` so an environment holds exactly its pin file.
 A stamp file records a hash of the pin file, the dependencies declared in ``pyproject.toml`` and the
@@ -95,7 +95,11 @@ class Env:
 
 MAIN = Env(".venv", "ci-jax0.10.2.txt", kernel=True)
 JAX_0_7 = Env(".venv-jax0.7.2", "ci-jax0.7.2.txt", kernel=False)
-TPU_COMPILE = Env(".venv-tpu-compile", "ci-tpu-compile.txt", kernel=False)
+
+# The environment variables every command in ``.venv`` runs with: the CPU backend, the TPU compiler
+# available (libtpu guards itself with a lockfile against two processes; compile-only use is safe
+# to share, so the pytest workers may each load it).
+CPU_WITH_TPU_COMPILER = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def _run(cmd: list[str]) -> None:

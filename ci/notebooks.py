@@ -108,6 +108,10 @@ def main() -> int:
     args = parser.parse_args()
 
     _venv.reexec_in(_venv.MAIN)
+    # .venv has libtpu (the TPU compiler, for the compiled cells): keep JAX on the CPU unless the
+    # caller chose a platform (JAX_PLATFORMS=tpu on a TPU machine).
+    for name, value in _venv.CPU_WITH_TPU_COMPILER.items():
+        os.environ.setdefault(name, value)
     import nbformat
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError

@@ -12,8 +12,9 @@ On first use it builds ``.venv`` (JAX 0.10.2 + tools) and ``.venv-jax0.7.2`` fro
                       (nbval skips cells without a stored execution count). Writes nothing.
 * ``unit-jax0.10.2``  pytest tests/ on JAX 0.10.2
 * ``unit-jax0.7.2``   pytest tests/ on JAX 0.7.2 (Colab's TPU runtime)
-* ``compile``         tests/test_aot.py in ``.venv-tpu-compile`` (JAX 0.10.2 + libtpu): every implementation
-                      through the real TPU compiler for every chip (compiled, not run; no TPU needed)
+* ``compile``         tests/test_aot.py in ``.venv`` (JAX 0.10.2 + libtpu, ``JAX_PLATFORMS=cpu``): every
+                      implementation through the real TPU compiler for every chip, the model held to the
+                      compiler (compiled, not run; no TPU needed). The unit stages leave this file out.
 * ``nbval``           ``pytest --nbval`` over the committed notebooks on the venv's Python; compares
                       outputs except stderr and cells tagged ``nbval-ignore-output``; figures go to a
                       temporary folder (TPUATTN_FIGURES_DIR) so the working tree is not modified.
@@ -109,15 +110,15 @@ def stage_pairs() -> str:
 def stage_unit(env: _venv.Env) -> str:
     # --durations: the slowest tests are named in every CI log, so the 25-minute budget can be watched.
     # -n 2: two pytest-xdist workers, one per core. Most of the time is XLA compiling (one thread
-    # each), so two workers come close to halving the stage.
+    # each), so two workers come close to halving the stage. The compile tests have their own stage.
     return pytest_result(run([str(env.python), "-m", "pytest", "-p", "no:cacheprovider", "--durations=15",
-                              "-n", "2", "tests"]))
+                              "-n", "2", "--ignore", "tests/test_aot.py", "tests"],
+                             env=_venv.CPU_WITH_TPU_COMPILER))
 
 
 def stage_compile() -> str:
-    # libtpu guards itself with a lockfile against two processes; compile-only use is safe to share.
-    env = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
-    return pytest_result(run([str(_venv.TPU_COMPILE.python), "-m", "pytest", "-p", "no:cacheprovider",
+    env = {**_venv.CPU_WITH_TPU_COMPILER, "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
+    return pytest_result(run([str(_venv.MAIN.python), "-m", "pytest", "-p", "no:cacheprovider",
                               "--durations=10", "-n", "2", "tests/test_aot.py"], env=env))
 
 
@@ -131,7 +132,8 @@ def stage_nbval() -> str:
                     # One notebook per worker, its cells in order, two notebooks at a time.
                     "-n", "2", "--dist", "loadfile",
                     "--nbval-sanitize-with", "ci/nbval_sanitize.cfg", *ipynbs],
-                   env={"PYTHONPATH": str(ROOT / "ci"), "TPUATTN_FIGURES_DIR": figures})
+                   env={"PYTHONPATH": str(ROOT / "ci"), "TPUATTN_FIGURES_DIR": figures,
+                        **_venv.CPU_WITH_TPU_COMPILER})
     return pytest_result(code)
 
 
@@ -146,7 +148,7 @@ def main() -> int:
     begin = float(os.environ.setdefault("TPUATTN_CI_START", str(time.time())))
     _venv.reexec_in(_venv.MAIN)
     rows = []
-    for stage, env in (("unit-jax0.7.2", _venv.JAX_0_7), ("compile", _venv.TPU_COMPILE)):
+    for stage, env in (("unit-jax0.7.2", _venv.JAX_0_7),):
         if stage in stages:
             start = time.perf_counter()
             env.ensure()

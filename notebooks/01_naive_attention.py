@@ -382,8 +382,10 @@ print(f"GQA ({NUM_HEADS} query heads, {NUM_KV_HEADS} kv heads) matches float64, 
 # ### 4.1 Measured on this machine
 #
 # `tpuattn.measure.memory.measure_peak_memory` runs one forward call of the reference in a fresh process
-# and reports the process's peak resident memory minus what it held before the call (batch 1,
-# `MEASURE_HEADS` heads, head_dim 16, float32). Beside it, the bytes of one float32 score matrix.
+# and reports the peak memory minus what was held before the call (batch 1, `MEASURE_HEADS` heads,
+# head_dim 16, float32): on a CPU the process's peak resident memory, on a TPU the device's own
+# peak HBM in use (the host's memory says nothing about the TPU's). Beside it, the bytes of one
+# float32 score matrix.
 
 # %% tags=["nbval-ignore-output"]
 from tpuattn.measure.memory import measure_peak_memory
@@ -399,6 +401,7 @@ if RUN_MEMORY:
         measured.append((seq_len, peak.call_mib if peak.ok else float("nan"), scores_mib))
         note = "" if peak.ok else f"  failed: {peak.error}"
         print(f"{seq_len:>8} {measured[-1][1]:>14.0f} {scores_mib:>21.0f}{note}")
+    print(f"measured as: {peak.method}")
 
 # %% [markdown]
 # The call's peak follows the score matrix: doubling $T$ roughly quadruples it. XLA fuses the

@@ -275,8 +275,9 @@ if RUN_TIMING:
 # %% [markdown]
 # ## 5. Memory against sequence length
 #
-# Each point is one attention call in a fresh child process (`tpuattn.measure.memory`): the operating
-# system's peak resident memory minus what the process held before the call. The reference holds
+# Each point is one attention call in a fresh child process (`tpuattn.measure.memory`): the peak
+# memory minus what was held before the call -- on a CPU the operating system's peak resident memory
+# of the process, on a TPU the device's own peak HBM in use. The reference holds
 # `heads x L x L` float32 scores (more in the backward pass, which keeps the probabilities); blockwise
 # holds one step's tile, `rows x block_kv`, plus per-row state.
 
@@ -296,6 +297,7 @@ if RUN_MEMORY:
                 memory.setdefault((impl, mode), []).append((seq_len, mib[impl]))
             ratio = mib["blockwise"] / mib["reference"] if mib["reference"] > 0 else float("nan")
             print(f"{seq_len:>6} {mode:>8} {mib['reference']:10.0f} {mib['blockwise']:10.0f} {ratio:6.2f}")
+    print(f"measured as: {peak.method}")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     tiles.plot_memory(ax, memory, label=LABEL, guides=(("reference", 2), ("blockwise", 1)),
                       xlabel="sequence length (batch 1, 4 heads, head_dim 64, float32)")

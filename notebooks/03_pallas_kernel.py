@@ -256,10 +256,36 @@ for block_q in (BLOCK_Q, 8, 4):
     print(f"block_q={block_q:>3}: {verdict[:200]}")
 
 # %% [markdown]
-# `block_q = 8` is legal (8 sublanes); `block_q = 4` is not. Each grid step of this version still
-# copies **all** of K and V into VMEM: at 32k tokens, head_dim 128, bfloat16 that is
-# 2 x 8 MiB, double-buffered 32 MiB -- more than Mosaic's default 16 MiB scoped-VMEM limit on
-# v4/v5e. Next we block K and V too.
+# `block_q = 8` is legal (8 sublanes); `block_q = 4` is not. But **lowering is not compiling**:
+# lowering checks the shapes and the operations Mosaic accepts, not whether the kernel fits the
+# chip. Each grid step of this version still holds **all** of K and V in VMEM: at 32k tokens,
+# head_dim 128, bfloat16 that is 2 x 8 MiB before the Q block, the output and the temporaries --
+# more than the 16 MiB of scoped VMEM a kernel gets on a v5e by default. Lowering cannot see that;
+# the TPU compiler can (and reports the exact size), and it runs on this machine
+# when `libtpu` is installed (`pip install "jax[tpu]"`, which brings compile-only TPU devices:
+# nothing runs on a TPU). `tpuattn.measure.aot.compile_for` compiles any function for one device of
+# a chip. Every result below is **compiled for TPU v5e, not run**.
+
+# %% tags=["nbval-ignore-output"]
+from tpuattn.measure import aot
+
+COMPILER = aot.tpu_available()
+print("TPU compiler (libtpu):", aot.versions_text() if COMPILER else
+      'not installed here -- pip install "jax[tpu]" to run this section')
+
+# %%
+if COMPILER:
+    long = [jax.ShapeDtypeStruct((1, 32768, 1, 128), jnp.bfloat16)] * 3  # 32k tokens, head_dim 128
+    for name, fn in (("step 2 kernel (all of K, V per step)", grid_attention),):
+        try:
+            aot.compile_for("v5e", functools.partial(fn, interpret=False), long)
+            print(f"{name}, 32k tokens: compiled for v5e")
+        except Exception as error:  # noqa: BLE001 - the compiler's message is the lesson
+            print(f"{name}, 32k tokens: the TPU compiler says\n  {aot.first_error_line(error)}")
+
+# %% [markdown]
+# Lowering said "ok" for this kernel; the compiler refuses it for running out of scoped VMEM. Next
+# we block K and V too.
 
 # %% [markdown]
 # ## Step 3 · The key/value axis, VMEM scratch and the online softmax
@@ -383,23 +409,35 @@ check("step 3, online softmax over kv blocks", flash_attention(q, k, v),
 # **VMEM budget and block sizes.** Per grid step the kernel holds the Q, K, V blocks and the output
 # block -- each double-buffered by the pipeline -- plus the float32 scratch and the float32
 # `[block_q, block_kv]` temporaries (`s`, `p`, the mask). The package writes that sum down once,
-# `tpuattn.pallas.forward_vmem_bytes`, and picks its default blocks as the largest that fit a budget
-# of an eighth of the chip's VMEM (at most 16 MiB, Mosaic's default scoped limit on v4/v5e):
+# `tpuattn.pallas.forward_vmem_bytes`. The model is a planning estimate; the judge is the TPU
+# compiler. `python -m tpuattn.aot --blocks` compiled the kernels with every pair of blocks from
+# 128 to 1024 for every chip (at Mosaic's default scoped VMEM limit); the table ships with the
+# package, and on a TPU the default blocks come from it: the largest accepted pair up to 512, or
+# 1024 where the chip's ridge point exceeds 512 FLOP/byte. Off a TPU (interpret mode) the budget
+# rule picks: the largest blocks whose modelled need fits an eighth of the VMEM, at most 16 MiB.
 
 # %%
+from tpuattn import chips as chip_table
 from tpuattn.pallas import blocks as pallas_blocks
 
 MIB = 1024 * 1024
-print("forward VMEM per grid step, head_dim 128, bfloat16")
+print("forward VMEM per grid step, head_dim 128, bfloat16 (modelled)")
 print("(double-buffered blocks + float32 scratch + float32 temporaries)")
 for bq, bk in ((128, 128), (256, 256), (512, 512), (1024, 1024)):
     need = pallas_blocks.forward_vmem_bytes(bq, bk, 128, 2)
     print(f"  {bq:>4} x {bk:<4}: {need / MIB:6.2f} MiB")
-chips = (("v5e / v6e (128 MiB VMEM)", 128 * MIB), ("v5p (64 MiB)", 64 * MIB), ("v4 (16 MiB)", 16 * MIB))
-for name, vmem in chips:
-    chosen = tpuattn.pallas.default_block_sizes(128, jnp.bfloat16, vmem_bytes=vmem).forward
-    print(f"default on {name}: budget {pallas_blocks.vmem_budget_bytes(vmem) / MIB:.0f} MiB -> "
-          f"{chosen.block_q} x {chosen.block_kv}")
+table = pallas_blocks.compiled_table()
+print(f"defaults, bfloat16, head_dim 128 (compiled table: JAX {table['jax_version']}, "
+      f"libtpu {table['libtpu_version']})")
+for name in ("v4", "v5e", "v5p", "v6e", "tpu7x"):
+    chip = chip_table.get(name)
+    budget = pallas_blocks.default_block_sizes(128, jnp.bfloat16, vmem_bytes=chip.vmem_bytes).forward
+    compiled = pallas_blocks.default_block_sizes(128, jnp.bfloat16, chip=name).forward
+    accepted = pallas_blocks.compiled_pairs(name, "forward", 128, jnp.bfloat16)
+    largest = max(accepted, key=lambda pair: pair[0] * pair[1])
+    print(f"  {name:<6} VMEM {chip.vmem_bytes / MIB:4.0f} MiB: budget rule {budget.block_q} x "
+          f"{budget.block_kv}; compiler accepts up to {largest[0]} x {largest[1]}; "
+          f"default {compiled.block_q} x {compiled.block_kv}")
 
 # %% [markdown]
 # The `[block_q, block_kv]` float32 temporaries grow fastest (12 bytes per score): doubling both
@@ -450,13 +488,32 @@ check("step 5, GQA in bfloat16", flash_attention(q_b, k_b, v_b, causal=True),
       reference(q_b, k_b, v_b, causal=True), 2e-2)
 
 # %% [markdown]
-# Would our lesson kernel compile on a TPU? Its Mosaic lowering says yes, for float32 and bfloat16
-# (the final machine-code compilation needs the TPU itself):
+# Would our lesson kernel compile on a TPU? Its Mosaic lowering says yes, for float32 and bfloat16;
+# the compiler gives the real answer -- for a v5e, and for the v2 that Colab's legacy "TPU v2-8"
+# runtime gives, whose Mosaic has no bfloat16 matmul. The same question for 32k tokens, where the
+# step-2 kernel did not fit:
 
 # %%
 for name, args in (("float32", (q_gqa, k, v)), ("bfloat16", (q_b, k_b, v_b))):
     verdict = lowers_for_tpu(functools.partial(flash_attention, causal=True, interpret=False), *args)
     print(f"lesson flash kernel, causal GQA, {name}: Mosaic lowering {verdict}")
+if COMPILER:
+    lesson = functools.partial(flash_attention, causal=True, interpret=False)
+    cases = [("v5e", "float32", (q_gqa, k, v)), ("v5e", "bfloat16", (q_b, k_b, v_b)),
+             ("v2", "float32", (q_gqa, k, v)), ("v2", "bfloat16", (q_b, k_b, v_b)),
+             ("v5e", "bfloat16, 32k tokens", [jax.ShapeDtypeStruct((1, 32768, 1, 128), jnp.bfloat16)] * 3)]
+    for chip, name, args in cases:
+        try:
+            facts = aot.compiled_facts(aot.compile_for(chip, lesson, args))
+            print(f"  {chip:>3} {name:<21}: compiled, {facts['custom_calls']} Mosaic kernel(s), "
+                  f"peak HBM {facts['peak_hbm_bytes'] / 2**20:.2f} MiB  ({aot.LABEL})")
+        except Exception as error:  # noqa: BLE001
+            print(f"  {chip:>3} {name:<21}: {aot.first_error_line(error)[:150]}")
+    # The package's kernel, the same way (tpuattn.measure.aot.compile_row wraps compile_for):
+    row = aot.compile_row("v5e", "pallas", "fwd+bwd", aot.Problem(seq_len=8192, heads=8))
+    print(f"package kernel (impl='pallas'), v5e, forward + backward, 8192 tokens, 8 heads x 128, bf16: "
+          f"{row['status']}, {row['custom_calls']} Mosaic kernels, "
+          f"peak HBM {row['peak_hbm_bytes'] / 2**20:.0f} MiB")
 
 # %% [markdown]
 # ## Step 6 · The backward pass (FlashAttention-2)

@@ -68,8 +68,6 @@ MODEL_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 # %%
 import dataclasses
 import inspect
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -353,8 +351,9 @@ print("  splash.make_splash_mha takes interpret=:",
 # Two kinds of evidence, labelled as such:
 #
 # * **measured** on this machine: wall-clock of the compiled implementations (`tpuattn.measure.timing`:
-#   compile separately, warm up, median of repeats). The Pallas kernels are *not* timed here off a
-#   TPU: interpret mode says nothing about kernel speed.
+#   compile separately, warm up, median of repeats). The Pallas kernels are timed only on a TPU
+#   (in bf16 with 8 heads of 128 there): off a TPU they run in interpret mode, which says nothing
+#   about kernel speed.
 # * **modelled** for a TPU: the roofline lower bound from `tpuattn.roofline` (notebook 05 explains
 #   it): `xla` materialises the score matrix in HBM, `splash` streams tiles through VMEM and skips
 #   the masked ones.
@@ -364,10 +363,16 @@ print("  splash.make_splash_mha takes interpret=:",
 
 # %%
 timings = {}  # (impl, length) -> median seconds, forward, causal
+ON_TPU = PLATFORM.backend == "tpu"
+# On a TPU the Pallas kernels compile, so they are timed too, at a shape people train with (bf16, 8
+# heads of 128); elsewhere only the compiled XLA paths, at the small float32 shape above.
+TIMED = ("reference", "blockwise", "xla") + (("pallas", "splash") if ON_TPU else ())
+TIMED_DTYPE, TIMED_HEADS, TIMED_HEAD_DIM = ((jnp.bfloat16, 8, 128) if ON_TPU
+                                            else (jnp.float32, TIMING_HEADS, TIMING_HEAD_DIM))
 if RUN_TIMINGS:
-    compiled = [name for name in ("reference", "blockwise", "xla") if name in tpuattn.implementations()]
+    compiled = [name for name in TIMED if name in tpuattn.implementations()]
     for length in TIMING_LENGTHS:
-        x = [jnp.asarray(rng.standard_normal((1, length, TIMING_HEADS, TIMING_HEAD_DIM)), jnp.float32)
+        x = [jnp.asarray(rng.standard_normal((1, length, TIMED_HEADS, TIMED_HEAD_DIM)), TIMED_DTYPE)
              for _ in range(3)]
         for impl in compiled:
             fn = lambda q, k, v, impl=impl: tpuattn.attention(q, k, v, causal=True, impl=impl)
@@ -383,8 +388,8 @@ fig, (ax_measured, ax_model) = plt.subplots(1, 2, figsize=(11, 3.6))
 for impl in sorted({name for name, _ in timings}):
     ax_measured.plot(TIMING_LENGTHS, [timings[impl, n] * 1e3 for n in TIMING_LENGTHS], "o-", label=impl)
 ax_measured.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms (median)",
-                title=style.labelled(f"forward, causal, {TIMING_HEADS} heads x {TIMING_HEAD_DIM}, f32",
-                                     measured=True))
+                title=style.labelled(f"forward, causal, {TIMED_HEADS} heads x {TIMED_HEAD_DIM}, "
+                                     f"{jnp.dtype(TIMED_DTYPE).name}", measured=True))
 if timings:
     ax_measured.legend()
 for impl, rows in model_rows.items():
@@ -405,19 +410,49 @@ for n, rx, rs in zip(MODEL_LENGTHS, model_rows["xla"], model_rows["splash"], str
     print(f"  {n:>6}: xla {rx.time_s * 1e3:8.3f} ms ({rx.bound}, fits HBM: {rx.fits_hbm})  "
           f"splash {rs.time_s * 1e3:8.3f} ms ({rs.bound})  ratio {rx.time_s / rs.time_s:4.1f}x")
 
-# %% tags=["nbval-ignore-output"]
-# If notebook 05 has run here, its measured sweep is on disk: show the native rows next to these.
-bench_json = Path("../out/05/05_bench.json")
-if bench_json.exists():
-    data = json.loads(bench_json.read_text())
-    env = data["environment"]
-    print(f"notebook 05's sweep ({env['label']}, JAX {env['jax_version']}, {env['timestamp_utc']}):")
-    for row in data["rows"]:
-        if row["status"] == "ok" and row["mode"] == "fwd":
-            print(f"  {row['impl']:>10} {row['seq_len']:>6} {row['median_s'] * 1e3:9.2f} ms  "
-                  f"{row['timing_kind']}")
-else:
-    print("notebook 05 has not run here yet (no ../out/05/05_bench.json)")
+# %% [markdown]
+# **Compiled for a TPU.** The model's HBM numbers can be checked against the real TPU compiler
+# without a TPU: `python -m tpuattn.aot` compiles each implementation for a chip and reads the
+# compiler's memory analysis (notebook 03 shows how). The package ships one such report, made by
+# the command it records; below, the peak HBM each path needs for one training step's attention
+# (forward + backward) on one device of each chip. `out_of_memory` is the compiler's own refusal.
+
+# %%
+from tpuattn import chips
+from tpuattn.measure import aot
+
+report = aot.committed_report()
+print(f"{aot.LABEL}: {report['problem']}, forward + backward; JAX {report['jax_version']}, "
+      f"libtpu {report['libtpu_version']}")
+print(f"  made by: {report['command']}")
+compiled_rows = {(r["chip"], r["impl"], r["seq_len"]): r for r in report["rows"]
+                 if r["mode"] == "fwd+bwd"}
+lengths = sorted({r["seq_len"] for r in report["rows"]})
+print(f"{'chip':<6} {'impl':<7}" + "".join(f"{f'T={n}':>16}" for n in lengths) + "   (peak HBM, MiB)")
+for chip in dict.fromkeys(r["chip"] for r in report["rows"]):
+    for impl in ("xla", "splash", "pallas"):
+        cells = []
+        for n in lengths:
+            r = compiled_rows[chip, impl, n]
+            ok = r["status"] == "ok"
+            cells.append(f"{r['peak_hbm_bytes'] / 2**20:16.0f}" if ok else f"{r['status']:>16}")
+        print(f"{chip:<6} {impl:<7}" + "".join(cells))
+longest = lengths[-1]
+for chip in dict.fromkeys(r["chip"] for r in report["rows"]):
+    xla_row, pallas_row = compiled_rows[chip, "xla", longest], compiled_rows[chip, "pallas", longest]
+    if xla_row["status"] == "ok" and pallas_row["status"] == "ok":
+        ratio = xla_row["peak_hbm_bytes"] / pallas_row["peak_hbm_bytes"]
+        print(f"{chip} at T={longest}: xla needs {ratio:.0f}x the Pallas kernel's HBM")
+with chips.target("v2"):  # what impl="auto" picks for bfloat16 on Colab's legacy v2-8
+    v2_spec = tpuattn.spec_from_shapes(2048, num_q_heads=8, head_dim=128, dtype="bfloat16", causal=True)
+    print("auto on a v2, bfloat16:", tpuattn.choose(v2_spec, "tpu"))
+
+# %% [markdown]
+# At 32k tokens the materialised path runs out of HBM on every chip in the table except the two
+# with the most HBM per device (v5p, tpu7x), and there it needs some sixty times the Pallas kernel's
+# memory; the two flash kernels need little beyond their inputs and outputs. On the v2 (Colab's
+# legacy runtime) both Pallas kernels refuse bfloat16 -- Mosaic there has no bfloat16 matmul -- so
+# `impl="auto"` picks `xla` for bfloat16 on that chip.
 
 # %% [markdown]
 # **The rule, as code.** `impl="auto"` calls `tpuattn.choose_implementation(spec, backend)`; its

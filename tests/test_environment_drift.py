@@ -20,7 +20,7 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 JAX_RANGE = SpecifierSet(">=0.7.2,<0.11")
-PIN_FILES = {"ci-jax0.10.2.txt": "0.10.2", "ci-jax0.7.2.txt": "0.7.2", "ci-tpu-compile.txt": "0.10.2"}
+PIN_FILES = {"ci-jax0.10.2.txt": "0.10.2", "ci-jax0.7.2.txt": "0.7.2"}
 
 
 def requirements(strings) -> dict[str, Requirement]:

@@ -315,3 +315,20 @@ def test_roofline_never_predicts_slower_than_a_published_measurement(case):
                                         f"{seconds * 1e3:.3f} ms"
     # ... and it bounds something: at least a few percent of the measured time.
     assert predicted.time_s >= 0.02 * seconds, source
+
+
+def test_the_auto_rules_compiled_evidence_holds():
+    # splash_auto_rank's docstring cites the committed compile report; the report says so.
+    from tpuattn.measure import aot
+
+    rows = {(r["chip"], r["impl"], r["mode"], r["seq_len"]): r for r in aot.committed_report()["rows"]}
+    assert rows["v5e", "splash", "fwd+bwd", 8192]["peak_hbm_bytes"] < rows["v5e", "xla", "fwd+bwd", 8192][
+        "peak_hbm_bytes"] / 40
+    for chip in ("v4", "v5e", "v6e"):
+        assert rows[chip, "xla", "fwd+bwd", 32768]["status"] == "out_of_memory"
+        assert rows[chip, "splash", "fwd+bwd", 32768]["peak_hbm_bytes"] < 2**30
+    for chip in ("v4", "v5e", "v5p", "v6e", "tpu7x"):
+        assert all(rows[chip, "splash", m, t]["status"] == "ok" for m in ("fwd", "fwd+bwd")
+                   for t in (2048, 8192, 32768))
+    assert rows["v2", "splash", "fwd", 2048]["status"] == "unsupported"
+    assert rows["v2", "xla", "fwd", 2048]["status"] == "ok"

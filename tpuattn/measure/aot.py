@@ -22,12 +22,20 @@ the CLI sets ``JAX_PLATFORMS=cpu`` before JAX starts, which leaves the topologie
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import re
 import time
+from pathlib import Path
 
 LABEL = "compiled (TPU compiler, not run)"
-STATUSES = ("ok", "compile_error", "unsupported")
+# ``out_of_memory``: the compiler's own verdict that the program does not fit the chip's HBM (a fact
+# about the problem size, e.g. materialised scores at 32k tokens), not a failure of the code;
+# ``compile_error``: anything else the compiler refused -- for a supported input, a bug.
+STATUSES = ("ok", "out_of_memory", "compile_error", "unsupported")
+HBM_OOM = "Ran out of memory on HBM"
+REPORT = Path(__file__).with_name("compiled_report.json")
 COLUMNS = ("chip", "impl", "mode", "seq_len", "kv_len", "batch", "heads", "kv_heads", "head_dim", "dtype",
            "causal", "window", "softcap", "segments", "status", "error", "peak_hbm_bytes", "argument_bytes",
            "output_bytes", "temp_bytes", "compile_s", "flops", "bytes_accessed", "optimal_seconds",
@@ -79,8 +87,27 @@ def _topology(name: str):
     from jax.experimental import topologies
 
     if name not in _TOPOLOGIES:
-        _TOPOLOGIES[name] = topologies.get_topology_desc(topology_name=name, platform="tpu")
+        with _native_stderr_silenced():  # libtpu warns, at start-up, about TPU_* variables not needed here
+            _TOPOLOGIES[name] = topologies.get_topology_desc(topology_name=name, platform="tpu")
     return _TOPOLOGIES[name]
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Send file descriptor 2 to /dev/null for the duration (C++ logging bypasses ``sys.stderr``);
+    Python exceptions still carry their messages."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _versions() -> tuple[str, str]:
@@ -95,12 +122,24 @@ def _versions() -> tuple[str, str]:
     return jax.__version__, libtpu
 
 
-def _first_error_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    for line in lines:
-        if re.search(r"E\d{4}:|RESOURCE_EXHAUSTED|[Vv]mem|VMEM|out of memory|INTERNAL", line):
-            return f"{type(error).__name__}: {line}"[:500]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:500]
+def versions_text() -> str:
+    """``"JAX 0.10.2, libtpu 0.0.42.1"``: what compiled the rows."""
+    jax_version, libtpu_version = _versions()
+    return f"JAX {jax_version}, libtpu {libtpu_version}"
+
+
+def first_error_line(error: BaseException) -> str:
+    """The compiler's message in one line: its first error line, plus the sizes of a VMEM overflow."""
+    text = str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = next((line for line in lines
+                  if re.search(r"E\d{4}:|RESOURCE_EXHAUSTED|[Vv]mem|VMEM|out of memory|INTERNAL", line)),
+                 lines[0] if lines else "")
+    sizes = re.search(r"Scoped allocation with size \S+ and limit \S+ exceeded scoped vmem limit by \S+"
+                      r"|Used \S+ of \S+ vmem", text)
+    if sizes and sizes.group(0) not in first:
+        first = f"{first} {sizes.group(0)}"
+    return f"{type(error).__name__}: {first}"[:500]
 
 
 def _hlo_counts(text: str) -> tuple[int, int]:
@@ -188,12 +227,33 @@ def compile_row(chip_name: str, impl: str, mode: str, problem: Problem, options:
         row.update(status="unsupported", error=str(error))
         return row
     except Exception as error:  # noqa: BLE001 - the compiler's own errors have many types
-        row.update(status="compile_error", error=_first_error_line(error),
+        message = first_error_line(error)
+        row.update(status="out_of_memory" if HBM_OOM in message else "compile_error", error=message,
                    compile_s=time.perf_counter() - start)
         return row
     row["compile_s"] = time.perf_counter() - start
     row.update(status="ok", **compiled_facts(compiled))
     return row
+
+
+def layout_copy_bytes(chip_name: str, problem: Problem) -> float:
+    """Compiled bytes accessed by the Pallas wrapper's own data movement alone: Q, K, V into the
+    kernel layout ``[batch, heads, seq, head_dim padded to 128]`` and O back (forward)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpuattn.pallas.layout import LANES, from_kernel_layout, padded_head_dim, to_kernel_layout
+
+    q_shape, kv_shape = problem.shapes()
+    dtype = jnp.dtype(problem.dtype)
+    o_kernel = (problem.batch, problem.heads, problem.seq_len, padded_head_dim(problem.head_dim))
+
+    def copies(q, k, v, o):
+        return (to_kernel_layout(q, LANES), to_kernel_layout(k, LANES), to_kernel_layout(v, LANES),
+                from_kernel_layout(o, problem.seq_len, problem.head_dim))
+
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in (q_shape, kv_shape, kv_shape, o_kernel)]
+    return compiled_facts(compile_for(chip_name, copies, args))["bytes_accessed"]
 
 
 # ---------------------------------------------------------------------------- block sizes
@@ -261,11 +321,15 @@ def report(chip_names, impls, modes, problems, *, options: dict | None = None, p
     return rows
 
 
+def committed_report() -> dict:
+    """The compile report shipped with the package (``{"command", "rows", ...}``): what the notebooks
+    show as compiled facts where no TPU compiler is installed. Made by the command it records."""
+    return json.loads(REPORT.read_text())
+
+
 def save(rows, out_dir, name: str = "aot", columns=COLUMNS) -> tuple:
     """Write ``rows`` to ``out_dir/<name>.csv`` and ``out_dir/<name>.json``; return the two paths."""
     import csv
-    import json
-    from pathlib import Path
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,13 @@
-"""Peak memory of one call, measured as a child process's peak resident set.
+"""Peak memory of one call, measured in a fresh child process.
 
 On CPU, ``compiled.memory_analysis()`` under-counts loops and fused code, so the honest number is
 what the operating system saw: run the call (:mod:`tpuattn.measure.workload`) in a fresh Python
 process and read its high-water mark. The child reports the peak before the call (JAX runtime,
 inputs) and after it; the difference is what the call itself needed, compilation included.
+
+On an accelerator the host's resident set says nothing about the device: there the child reads the
+device's own allocator statistics (``jax.Device.memory_stats()["peak_bytes_in_use"]``, HBM on a
+TPU) before and after the call. :attr:`PeakMemory.method` says which was measured.
 
 From Python::
 
@@ -35,6 +39,7 @@ class PeakMemory:
     peak_mib: float  # peak RSS after running it
     ok: bool = True
     error: str = ""
+    method: str = "child process peak RSS (host memory)"
 
     @property
     def call_mib(self) -> float:
@@ -82,11 +87,19 @@ def _child(impl: str, shape: Shape, mode: str, options: dict) -> dict:
 
     q, k, v = inputs(shape)
     fn = jax.jit(function(impl, shape, mode, options))
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "peak_bytes_in_use" in stats:  # an accelerator: its own allocator's peak
+        jax.block_until_ready((q, k, v))
+        baseline = device.memory_stats()["peak_bytes_in_use"] / 2**20
+        jax.block_until_ready(fn(q, k, v))
+        return {"baseline_mib": baseline, "peak_mib": device.memory_stats()["peak_bytes_in_use"] / 2**20,
+                "method": f"device peak_bytes_in_use ({device.device_kind} memory)"}
     # Start the high-water mark afresh at the current resident set, so a call smaller than
     # JAX's own start-up peak is still seen (Linux: writing 5 to clear_refs resets VmHWM).
     baseline = _reset_peak() or _max_rss_mib()
     jax.block_until_ready(fn(q, k, v))
-    return {"baseline_mib": baseline, "peak_mib": _max_rss_mib()}
+    return {"baseline_mib": baseline, "peak_mib": _max_rss_mib(), "method": PeakMemory.method}
 
 
 def measure_shape(impl: str, shape: Shape, mode: str = "fwd", options: dict | None = None,
@@ -110,7 +123,8 @@ def measure_shape(impl: str, shape: Shape, mode: str = "fwd", options: dict | No
         return PeakMemory(impl, shape.seq_len, mode, shape.causal, float("nan"), float("nan"), ok=False,
                           error=last)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return PeakMemory(impl, shape.seq_len, mode, shape.causal, result["baseline_mib"], result["peak_mib"])
+    return PeakMemory(impl, shape.seq_len, mode, shape.causal, result["baseline_mib"], result["peak_mib"],
+                      method=result["method"])
 
 
 def measure_peak_memory(impl: str, seq_len: int, *, mode: str = "fwd", causal: bool = False, batch: int = 1,

@@ -4,6 +4,15 @@ and the in-kernel mask of one tile.
 A block's last two dimensions are (sequence, head_dim): the TPU's (sublane, lane) tile. head_dim
 is padded to a multiple of 128 lanes and the sequences to their block multiples; padded keys are
 hidden by the mask's ``kv_idx < kv_len``, padded query rows are sliced off.
+
+Why the kernels do not read the contract's ``[batch, seq, heads, head_dim]`` directly: a BlockSpec
+that picks one head there, ``(None, block, None, head_dim)``, puts a squeezed head axis second-minor,
+and Pallas TPU refuses it (the last two block dims must be multiples of (8, 128) or the full dims).
+A block holding every head, ``(None, block, heads, head_dim)``, does compile for v5e (checked with the
+TPU compiler), at the price of a kernel that loops over heads in VMEM with VMEM growing with the head
+count -- not done. The copies in and out of this layout are therefore part of the Pallas path's cost:
+the roofline counts them (the "wrapper" lines of its breakdown) and the compile stage checks that the
+compiler's bytes for them are at least that.
 """
 
 from __future__ import annotations
