@@ -5,7 +5,8 @@ Two environments live at the repository root, each built from an exact pin file:
 * ``.venv``            JAX 0.10.2 with libtpu (the TPU compiler, compile-only here) plus the notebook and
                        dev tools (``requirements/ci-jax0.10.2.txt``); used with ``JAX_PLATFORMS=cpu``
                        (:data:`CPU_WITH_TPU_COMPILER`) so JAX does not look for a TPU at start
-* ``.venv-jax0.7.2``   JAX 0.7.2, Colab's TPU runtime, for the unit tests (``requirements/ci-jax0.7.2.txt``)
+* ``.venv-jax0.7.2``   JAX 0.7.2, Colab's TPU runtime, with its libtpu, for the unit and compile tests
+                       (``requirements/ci-jax0.7.2.txt``)
 
 The package is installed editable with ``--no-deps`` so an environment holds exactly its pin file.
 A stamp file records a hash of the pin file, the dependencies declared in ``pyproject.toml`` and the

@@ -15,6 +15,8 @@ On first use it builds ``.venv`` (JAX 0.10.2 + tools) and ``.venv-jax0.7.2`` fro
 * ``compile``         tests/test_aot.py in ``.venv`` (JAX 0.10.2 + libtpu, ``JAX_PLATFORMS=cpu``): every
                       implementation through the real TPU compiler for every chip, the model held to the
                       compiler (compiled, not run; no TPU needed). The unit stages leave this file out.
+* ``compile-jax0.7.2`` the same file on JAX 0.7.2 with its libtpu (0.0.23): everything compiles for every
+                      chip there too (the facts recorded with the newer compiler are checked only above)
 * ``nbval``           ``pytest --nbval`` over the committed notebooks on the venv's Python; compares
                       outputs except stderr and cells tagged ``nbval-ignore-output``; figures go to a
                       temporary folder (TPUATTN_FIGURES_DIR) so the working tree is not modified.
@@ -38,7 +40,7 @@ import _venv  # noqa: E402
 
 ROOT = _venv.ROOT
 NOTEBOOKS = ROOT / "notebooks"
-STAGES = ("ruff", "pairs", "unit-jax0.10.2", "unit-jax0.7.2", "compile", "nbval")
+STAGES = ("ruff", "pairs", "unit-jax0.10.2", "unit-jax0.7.2", "compile", "compile-jax0.7.2", "nbval")
 PYTEST_EXIT = {0: "passed", 1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error",
                5: "no tests collected"}
 
@@ -116,10 +118,10 @@ def stage_unit(env: _venv.Env) -> str:
                              env=_venv.CPU_WITH_TPU_COMPILER))
 
 
-def stage_compile() -> str:
-    env = {**_venv.CPU_WITH_TPU_COMPILER, "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
-    return pytest_result(run([str(_venv.MAIN.python), "-m", "pytest", "-p", "no:cacheprovider",
-                              "--durations=10", "-n", "2", "tests/test_aot.py"], env=env))
+def stage_compile(env: _venv.Env) -> str:
+    variables = {**_venv.CPU_WITH_TPU_COMPILER, "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
+    return pytest_result(run([str(env.python), "-m", "pytest", "-p", "no:cacheprovider",
+                              "--durations=10", "-n", "2", "tests/test_aot.py"], env=variables))
 
 
 def stage_nbval() -> str:
@@ -148,13 +150,15 @@ def main() -> int:
     begin = float(os.environ.setdefault("TPUATTN_CI_START", str(time.time())))
     _venv.reexec_in(_venv.MAIN)
     rows = []
-    for stage, env in (("unit-jax0.7.2", _venv.JAX_0_7),):
-        if stage in stages:
+    for stage, env in (("unit-jax0.7.2", _venv.JAX_0_7), ("compile-jax0.7.2", _venv.JAX_0_7)):
+        if stage in stages and not any(env.name in name for name, _, _ in rows):
             start = time.perf_counter()
             env.ensure()
             rows.append((f"setup {env.name}", time.perf_counter() - start, "ok"))
     actions = {"ruff": stage_ruff, "pairs": stage_pairs, "unit-jax0.10.2": lambda: stage_unit(_venv.MAIN),
-               "unit-jax0.7.2": lambda: stage_unit(_venv.JAX_0_7), "compile": stage_compile,
+               "unit-jax0.7.2": lambda: stage_unit(_venv.JAX_0_7),
+               "compile": lambda: stage_compile(_venv.MAIN),
+               "compile-jax0.7.2": lambda: stage_compile(_venv.JAX_0_7),
                "nbval": stage_nbval}
     for stage in stages:
         print(f"\n===== {stage} =====", flush=True)

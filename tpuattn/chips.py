@@ -43,6 +43,7 @@ class Chip:
     topology: str  # a compile-only topology name with this chip ("v5e:2x2")
     device_kinds: tuple[str, ...]  # jax.Device.device_kind strings of this chip
     bf16_matmul: bool = True  # Mosaic accepts bf16 matmul operands (not on v2/v3)
+    kernel_vmem_bytes: int = 16 * MIB  # VMEM a Pallas kernel gets by default (see KERNEL_VMEM below)
 
     @property
     def cores_per_device(self) -> int:
@@ -61,11 +62,18 @@ CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
     Chip("v3", 2, False, 1.40e14, 8.25e11, 34.4e9, 16 * MIB, "v3:2x2x1", ("TPU v3",), bf16_matmul=False),
     Chip("v4", 2, True, 2.75e14, 1.23e12, 34.4e9, 16 * MIB, "v4:2x2x1", ("TPU v4",)),
     Chip("v5e", 1, False, 1.97e14, 8.20e11, 17.2e9, 128 * MIB, "v5e:2x2", ("TPU v5 lite", "TPU v5e")),
-    Chip("v5p", 2, True, 4.59e14, 2.46e12, 103.0e9, 64 * MIB, "v5p:2x2x1", ("TPU v5", "TPU v5p")),
-    Chip("v6e", 1, False, 9.20e14, 1.64e12, 34.4e9, 128 * MIB, "v6e:2x2", ("TPU v6 lite", "TPU v6e")),
-    Chip("tpu7x", 2, False, 2.31e15, 7.40e12, 206.0e9, 64 * MIB, "tpu7x:2x2x1", ("TPU7x",)),
+    Chip("v5p", 2, True, 4.59e14, 2.46e12, 103.0e9, 64 * MIB, "v5p:2x2x1", ("TPU v5", "TPU v5p"),
+         kernel_vmem_bytes=64 * MIB),
+    Chip("v6e", 1, False, 9.20e14, 1.64e12, 34.4e9, 128 * MIB, "v6e:2x2", ("TPU v6 lite", "TPU v6e"),
+         kernel_vmem_bytes=32 * MIB),
+    Chip("tpu7x", 2, False, 2.31e15, 7.40e12, 206.0e9, 64 * MIB, "tpu7x:2x2x1", ("TPU7x",),
+         kernel_vmem_bytes=64 * MIB),
 )}
 NAMES = tuple(CHIPS)
+# ``kernel_vmem_bytes``: the VMEM a Pallas kernel may use without raising ``vmem_limit_bytes``, as
+# the TPU compiler itself states it when a kernel overflows (libtpu 0.0.42.1, compile-only): a scoped
+# limit of 16 MiB on v5e and 32 MiB on v6e ("E1001: CompileTimeScopedVmemOom ... limit 16.00M"), the
+# whole VMEM elsewhere ("Used ... of 16.00M vmem" on v2/v3/v4, "of 63.94M" on v5p, "of 64.00M" on tpu7x).
 
 # Off a TPU (and for a chip this table does not know) the kernels budget for the smallest VMEM.
 DEFAULT_VMEM_BYTES = 16 * MIB

@@ -80,6 +80,17 @@ def topology_device(chip):
     return _topology(chip.topology).devices[0]
 
 
+def chip_known(chip_name: str) -> bool:
+    """Whether the installed TPU compiler knows ``chip_name`` (libtpu 0.0.23, JAX 0.7.2's, has no tpu7x)."""
+    from tpuattn import chips
+
+    try:
+        _topology(chips.get(chip_name).topology)
+    except Exception:  # noqa: BLE001 - JAX raises XlaRuntimeError / JaxRuntimeError by version
+        return False
+    return True
+
+
 _TOPOLOGIES: dict = {}
 
 
@@ -220,6 +231,10 @@ def compile_row(chip_name: str, impl: str, mode: str, problem: Problem, options:
         return jnp.sum(attend(q, k, v, *segments).astype(jnp.float32))
 
     fn = attend if mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
+    if not chip_known(chip.name):
+        row.update(status="unsupported",
+                   error=f"chip: the installed TPU compiler ({versions_text()}) does not know {chip.name}")
+        return row
     start = time.perf_counter()
     try:
         compiled = compile_for(chip.name, fn, args)

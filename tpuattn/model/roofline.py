@@ -44,8 +44,8 @@ above it.
 **Crossovers.** :func:`materialise_crossover` is the sequence length at which the materialised
 schedule's score buffers stop fitting in HBM; :func:`vmem_crossover` is the length at which a
 fused kernel that holds a whole row block of scores (no online softmax) stops fitting in the VMEM
-a kernel is given (:func:`tpuattn.pallas.blocks.vmem_budget_bytes`). The flash schedule has no such
-length: its VMEM working set depends on the block sizes only.
+a kernel is given (:attr:`ChipSpec.vmem_budget_bytes`, the compiler's own limit). The flash
+schedule has no such length: its VMEM working set depends on the block sizes only.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ import numpy as np
 from tpuattn import api, chips
 from tpuattn._checks import positive_int
 from tpuattn.measure.flops import FORWARD_FLOPS_PER_SCORE, MODES, attention_flops, check_mode
-from tpuattn.pallas.blocks import backward_vmem_bytes, forward_vmem_bytes, vmem_budget_bytes
+from tpuattn.pallas.blocks import backward_vmem_bytes, forward_vmem_bytes
 from tpuattn.pallas.layout import padded_head_dim
 from tpuattn.spec import EMPTY, MaskSpec, spec_from_shapes
 
@@ -89,6 +89,7 @@ class ChipSpec:
     vmem_bytes: int  # per TensorCore
     tensor_cores: int  # per device (2 for the megacore v4 and v5p)
     source: str  # where the numbers come from
+    kernel_vmem_bytes: int = 16 * MIB  # what a kernel gets (tpuattn.chips.Chip.kernel_vmem_bytes)
 
     @property
     def f32_flops(self) -> float:
@@ -97,8 +98,9 @@ class ChipSpec:
 
     @property
     def vmem_budget_bytes(self) -> int:
-        """The VMEM a kernel is given: the budget the Pallas kernel's default blocks fit in."""
-        return vmem_budget_bytes(self.vmem_bytes)
+        """The VMEM a kernel is given by default, as the TPU compiler states it (the scoped limit on
+        v5e and v6e, the whole VMEM elsewhere): :attr:`tpuattn.chips.Chip.kernel_vmem_bytes`."""
+        return self.kernel_vmem_bytes
 
     def peak_flops(self, dtype, precision: str = "highest") -> float:
         """bf16/f16 inputs run at bf16 peak; f32 at the modelled :attr:`f32_flops` -- unless
@@ -126,7 +128,8 @@ def _from_table(chip: chips.Chip) -> ChipSpec:
     device = chip.per_device()
     return ChipSpec(name=chip.name, bf16_flops=device["bf16_flops"], hbm_bandwidth=device["hbm_bandwidth"],
                     hbm_capacity=device["hbm_bytes"], vmem_bytes=chip.vmem_bytes,
-                    tensor_cores=chip.cores_per_device, source="tpuattn.chips (JAX's tpu_info table)")
+                    tensor_cores=chip.cores_per_device, source="tpuattn.chips (JAX's tpu_info table)",
+                    kernel_vmem_bytes=chip.kernel_vmem_bytes)
 
 
 def _from_jax(chip: chips.Chip) -> ChipSpec:
@@ -141,7 +144,8 @@ def _from_jax(chip: chips.Chip) -> ChipSpec:
                     hbm_bandwidth=float(info.mem_bw_bytes_per_second) * cores,
                     hbm_capacity=float(info.hbm_capacity_bytes) * cores,
                     vmem_bytes=int(info.vmem_capacity_bytes), tensor_cores=cores,
-                    source=f"pltpu.get_tpu_info_for_chip (JAX {jax.__version__})")
+                    source=f"pltpu.get_tpu_info_for_chip (JAX {jax.__version__})",
+                    kernel_vmem_bytes=chip.kernel_vmem_bytes)
 
 
 def chip_spec(name, *, source: str = "table") -> ChipSpec:
