@@ -149,9 +149,10 @@ print("naive_attention matches the float64 NumPy version:", out.shape, out.dtype
 #
 # `jax.nn.softmax` hides a detail that every kernel in this project has to write out by hand.
 # Written straight from its definition, $\operatorname{softmax}(s)_j = e^{s_j} / \sum_l e^{s_l}$
-# overflows as soon as a logit passes about 88 in float32 (`exp(88.7)` is the largest float32),
-# about 709 in float64. Logits that large are not exotic: they appear when queries and keys grow
-# in norm during training, which is why some models cap them (`softcap`, see the exercises).
+# overflows as soon as a logit passes about 88.72 in float32 ($\log$ of the largest float32,
+# FLT_MAX $\approx 3.40 \cdot 10^{38}$), about 709.78 in float64. Logits that large are not exotic:
+# they appear when queries and keys grow in norm during training, which is why some models cap
+# them (`softcap`, see the exercises).
 
 
 # %%
@@ -195,12 +196,12 @@ print("stable softmax matches float64 on logits of magnitude 1e3; the naive one 
 # fine end to end:
 
 # %%
-q, k, v = random_qkv(scale=6.0)  # |logits| up to ~1e3 with head_dim 32
+q, k, v = random_qkv(scale=6.0)  # large logits with head_dim 32 (the largest is printed)
 out = tpuattn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), impl="reference")
 max_logit = float(np.abs(np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(HEAD_DIM)).max())
 print(f"max |logit| in this batch: {max_logit:.0f}")
-# Large logits make rows nearly one-hot; float32 rounding of logits ~1e3 moves each weight by up to
-# ~1e-4 relative, so compare with a looser 1e-3.
+# Large logits make rows nearly one-hot; float32 rounding of logits of this size (a float32 ulp between
+# 128 and 256 is 1.5e-5) moves each weight by a few 1e-5 relative, so compare with a looser 1e-3.
 np.testing.assert_allclose(out, numpy_attention(q, k, v), atol=1e-3, rtol=1e-3)
 print("reference attention is finite and matches float64 on large logits")
 
@@ -402,13 +403,17 @@ if RUN_MEMORY:
         note = "" if peak.ok else f"  failed: {peak.error}"
         print(f"{seq_len:>8} {measured[-1][1]:>14.0f} {scores_mib:>21.0f}{note}")
     print(f"measured as: {peak.method}")
+    (t0, m0, s0), (t1, m1, _) = measured[0], measured[-1]
+    print(f"from T={t0} to T={t1} ({t1 / t0:.2f}x) the call's peak grew {m1 / m0:.2f}x "
+          f"(T^2 grew {(t1 / t0) ** 2:.2f}x); peak / one score matrix: "
+          + ", ".join(f"{m / s:.1f}" for _, m, s in measured))
 
 # %% [markdown]
-# The call's peak follows the score matrix: doubling $T$ roughly quadruples it. XLA fuses the
-# softmax, so the peak is a small multiple of one score matrix (scores and probabilities) rather than
-# one copy per operation. At the shortest length the reading can fall below that: the measurement is
-# a maximum resident size, and part of a small call hides under the peak the JAX runtime itself
-# reached while starting up.
+# The call's peak follows the score matrix: it grows with $T^2$ (the last line above sets the two
+# growths side by side). XLA fuses the softmax, so the peak is a small multiple of one score matrix
+# -- about two here: the scores and their exponentials -- rather than one copy per operation. (At
+# short lengths a reading can fall below its share: the measurement is a maximum resident size, and
+# part of a small call hides under the peak the JAX runtime reached while starting up.)
 #
 # ### 4.2 Computed for a TPU's HBM
 #
@@ -551,7 +556,24 @@ check_exercises()
 #     return (j <= pos) & (j >= pos - window)
 #
 # def largest_batch():
-#     half = chips["v6e"] / 2                # 16e9 bytes
-#     return int(half // scores_bytes(4096, batch=1))   # 2 GiB per sequence -> 7
+#     half = chips["v6e"] / 2                # 32 GiB / 2 = 17.2e9 bytes
+#     return int(half // scores_bytes(4096, batch=1))   # 2 GiB (2.15e9 bytes) per sequence -> 8
 # ```
 # </details>
+
+# %% [markdown]
+# ## References
+#
+# - A. Vaswani et al., "Attention Is All You Need", 2017, arXiv:1706.03762 (scaled dot-product
+#   attention).
+# - T. Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness",
+#   2022, arXiv:2205.14135 -- why the score matrix, not the FLOPs, is the problem.
+# - JAX, `jax.nn.dot_product_attention` (its mask and causal conventions, top-left aligned):
+#   https://docs.jax.dev/en/latest/_autosummary/jax.nn.dot_product_attention.html.
+# - Google Cloud, TPU system architecture (HBM per chip):
+#   https://cloud.google.com/tpu/docs/system-architecture-tpu-vm; the numbers used here are JAX's own
+#   table, `tpuattn.chips`.
+# - Gemma 2 team, "Gemma 2: Improving Open Language Models at a Practical Size", 2024,
+#   arXiv:2408.00118 (logit soft-capping).
+# - A. Zhang, "Forcing Flash Attention onto a TPU and Learning the Hard Way", 2026,
+#   https://archerzhang.me/forcing-flash-attention-onto-a-tpu -- the write-up this collection answers.

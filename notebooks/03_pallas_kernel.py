@@ -303,7 +303,9 @@ if COMPILER:
 # > **Why float32 scratch.** `l` adds up to `kv_len` terms and `acc` as many rescaled rows; in
 # > bfloat16 (8 significant bits) a running sum stops growing once it is ~256x larger than what is
 # > added, so long rows lose most of their mass. The MXU accumulates in float32 anyway
-# > (`preferred_element_type`), and scratch is small (`block_q x (D + 2)` floats), so it costs nothing.
+# > (`preferred_element_type`), and scratch is small, so it costs little. (On a TPU a `(block_q, 1)`
+# > float32 buffer still occupies whole `(8, 128)` tiles, so the package keeps `m` and `l` 128 lanes
+# > wide: `block_q x (D + 256)` floats, 0.75 MiB at 512 x 128.)
 # >
 # > **Why the kv axis is `arbitrary`.** `dimension_semantics` tells Mosaic which grid axes are
 # > independent (`parallel`: it may split them across the TensorCores of a megacore chip, v4/v5p)
@@ -523,22 +525,45 @@ if COMPILER:
 # $$dV = P^T dO,\qquad dP = dO\,V^T,\qquad dS = P \odot (dP - \delta),\qquad
 #   dQ = \mathrm{scale}\cdot dS\,K,\qquad dK = \mathrm{scale}\cdot dS^T Q,$$
 #
-# where $\delta_i = \sum_j P_{ij}\,dP_{ij} = \sum_d dO_{id}\,O_{id}$ -- **`delta = rowsum(dO * O)`**,
-# one number per query row, computed once before the kernels from `O` and `dO` (no `P` needed).
+# **Where $dS$ comes from.** Row $i$ of $P$ is a softmax, $P_{ij} = e^{S_{ij}} / \sum_l e^{S_{il}}$, whose
+# Jacobian is $\partial P_{ij} / \partial S_{ik} = P_{ij}(\mathbb{1}[j = k] - P_{ik})$. The chain rule
+# through it gives $dS_{ik} = \sum_j dP_{ij} P_{ij}(\mathbb{1}[j = k] - P_{ik})
+# = P_{ik}\,(dP_{ik} - \sum_j P_{ij} dP_{ij})$, that is $dS = P \odot (dP - \delta)$ with
+# $\delta_i = \sum_j P_{ij}\,dP_{ij}$. Since $dP = dO\,V^T$ and $O = P V$, in exact arithmetic
+# $\delta_i = \sum_j P_{ij} \sum_d dO_{id} V_{jd} = \sum_d dO_{id}\,O_{id}$: **`rowsum(P * dP)` equals
+# `rowsum(dO * O)`**, and the second needs no `P`, which is why FlashAttention and JAX's TPU kernels
+# compute it from the output. In floating point they differ: `O` is rounded (to bfloat16, say) before
+# it is saved, while $dP - \delta$ must cancel to a few ulps on a nearly one-hot row (where $dS$ is
+# tiny). From the rounded `O` it does not cancel, and the gradients of such rows come out 70-200x
+# worse than autodiff of the materialised reference (the package's tests build such rows). So this
+# package sums $\delta$ = `rowsum(P * dP)` from the same recomputed tiles the backward uses.
+#
 # `P` itself is never stored: the forward saves the float32 **logsumexp** of each row,
 # `lse = m + log(l)` (the package keeps its two terms, `m` and `log l`, so that large logits lose no
 # precision in the sum), and any tile of `P` is recomputed as `exp(S - lse)` -- exact, no rescaling.
 #
-# FlashAttention-2 splits the backward into two kernels so that each accumulates its output along
-# its own `arbitrary` axis in VMEM scratch and writes every output block once. (One fused kernel
-# would have to add into dQ from every kv block: atomics on a GPU; on a TPU, whose `parallel` axes
-# may run on different cores of a megacore chip, a race.)
+# **How the work is split.** FlashAttention-2 on a GPU (Dao, 2023, arXiv:2307.08691, Algorithm 2)
+# runs the backward as one kernel parallel over kv blocks, adding each tile's contribution into dQ
+# with atomic adds. A TPU has no atomics, and its `parallel` grid axes may run on different cores
+# of a megacore chip, so JAX's Pallas flash and splash kernels split the backward in two, each
+# accumulating its output along its own `arbitrary` axis in VMEM scratch and writing every output
+# block once. This package runs three passes, in this order:
 #
+# * **row sums** -- grid over *query blocks*, looping over kv blocks: recomputes `P` and `dP` per
+#   tile and sums $\delta$ = `rowsum(P * dP)` (two matmuls per tile: $S = QK^T$, $dP = dO\,V^T$);
+# * **dQ kernel** -- the same grid: recomputes `P`, `dP`, forms $dS$ and accumulates `dQ += dS K`
+#   (three matmuls per tile);
 # * **dK/dV kernel** -- grid over *kv blocks* (parallel), looping over query blocks (`arbitrary`):
-#   each step recomputes `P^T` for its tile and accumulates `dV += P^T dO` and `dK += dS^T Q` in
-#   float32 scratch; for GQA it also loops over the query heads of the group, so the sum over the
-#   group happens in scratch and each kv head's dK/dV is written once;
-# * **dQ kernel** -- grid over *query blocks*, looping over kv blocks: accumulates `dQ += dS K`.
+#   each step recomputes `P^T` and `dP^T`, and accumulates `dV += P^T dO` and `dK += dS^T Q` in
+#   float32 scratch (four matmuls); for GQA it also loops over the query heads of the group, so the
+#   sum over the group happens in scratch and each kv head's dK/dV is written once.
+#
+# **The FLOP count.** The forward is two matmuls per tile ($QK^T$, $PV$). The classic two-kernel
+# backward recomputes $S$ in both kernels and adds $dP$, $dV$, $dK$ (dK/dV kernel) and $dP$, $dQ$
+# (dQ kernel): 7 matmuls, 3.5x the forward -- or 5 matmuls, the "2.5x the forward" usually quoted,
+# when $S$ and $dP$ are computed once (one fused kernel, as FlashAttention-2 on a GPU). The row-sum
+# pass adds 2 more: this package's backward executes 9 matmuls per visited tile, 4.5x the forward,
+# the price of exact gradients on nearly one-hot rows (the roofline counts it, notebook 05).
 #
 # Both reuse the forward's block schedule (transposed for dK/dV), so masked tiles are skipped in the
 # backward too. The package wires forward and backward together with `jax.custom_vjp`; here we
@@ -871,3 +896,22 @@ check_exercise(3, check_fetches)
 # the left it would start at block 0 and walk through the hidden band -- the package's schedule
 # avoids both by listing the visible blocks explicitly.
 # </details>
+
+# %% [markdown]
+# ## References
+#
+# - JAX Pallas documentation: the TPU guide https://docs.jax.dev/en/latest/pallas/tpu/details.html,
+#   pipelining https://docs.jax.dev/en/latest/pallas/tpu/pipelining.html, scalar prefetch and
+#   block-sparse computation https://docs.jax.dev/en/latest/pallas/tpu/sparse.html.
+# - T. Dao et al., "FlashAttention", 2022, arXiv:2205.14135; T. Dao, "FlashAttention-2: Faster
+#   Attention with Better Parallelism and Work Partitioning", 2023, arXiv:2307.08691 (Algorithm 2, the
+#   backward with atomic adds into dQ).
+# - JAX's own TPU kernels, read to learn from: `jax/experimental/pallas/ops/tpu/flash_attention.py`
+#   and `jax/experimental/pallas/ops/tpu/splash_attention/`
+#   (https://github.com/jax-ml/jax/tree/main/jax/experimental/pallas/ops/tpu).
+# - J. Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
+#   Checkpoints", 2023, arXiv:2305.13245.
+# - J. Austin et al., "How to Scale Your Model", https://jax-ml.github.io/scaling-book/ (TPU
+#   memory hierarchy, VMEM and the MXU).
+# - A. Zhang, "Forcing Flash Attention onto a TPU and Learning the Hard Way", 2026,
+#   https://archerzhang.me/forcing-flash-attention-onto-a-tpu -- the Pallas kernel that never worked.

@@ -157,9 +157,12 @@ print("jax.nn, rows that see nothing: mean of v  ->  impl='xla' selects zeros th
 # `impl="xla"` selects zeros for those rows after the call; `jnp.where` also sends a zero cotangent
 # into them, so their gradients are exactly zero and nothing is NaN.
 #
-# Splash without help is worse: its online softmax starts from a running max of `mask_value`
-# ($-0.7\cdot$ float32 max) and a running sum of 0, so a row whose keys are all masked ends with
-# $0/0$, a NaN, and its backward pass (which reads the row's log-sum-exp) spreads it into `dk` and `dv`.
+# Splash without help is worse, in one of two ways depending on its schedule. If the mask makes it
+# skip every kv tile of the row's block, the row keeps its initial running sum of 0 and ends with
+# $0/0$, a NaN, which its backward pass (it reads the row's log-sum-exp) spreads into `dk` and `dv`.
+# If a tile is computed with all of the row's scores masked, each masked score is `mask_value`
+# ($-0.7\cdot$ float32 max), their exponentials are all equal, and the row silently returns the
+# mean of `v`, as `jax.nn` did above.
 # Splash has an option meant for something else, **attention sinks**: one extra logit per head that
 # joins every row's softmax with value 0. We pass a sink of $-10^{30}$: next to any real logit $m$ it
 # contributes $e^{-10^{30} - m} = 0$, but it keeps an empty row's sum at $1$, so the row returns
@@ -279,16 +282,18 @@ print("every implementation within 2e-5 (float32) and 2e-2 (bfloat16) of float64
 # outputs are averages of values of size 1, so float32 rounding of ~6e-8 per operation accumulates
 # only slowly with length; the implementations differ by summation order, not by accuracy. In
 # bfloat16 the inputs are exact for every implementation (the float64 yardstick sees the same rounded
-# inputs), so the error is each implementation's own rounding: chiefly whether the probabilities are
-# rounded to bfloat16 before the second matmul (`reference` and `xla` do, as the MXU wants bfloat16
-# operands; splash keeps them in float32) and the bfloat16 output. Length barely matters because
+# inputs), so the error is each implementation's own rounding: chiefly *which* probabilities are
+# rounded to bfloat16 before the second matmul -- the materialised paths round the normalised `P`
+# (every weight at most 1), the flash kernels round each tile's unnormalised `exp(S - m)` and divide
+# by the row sum in float32 at the end -- and the bfloat16 output. Length barely matters because
 # softmax weights are averaged, not summed.
 #
 # One difference appears only at extreme logits, in the gradients, and the test suite pins it down:
 # splash's backward reads **one float32 log-sum-exp per row**. With logits near 4000 its rounding
 # (an ulp of 4000 is 2.4e-4) perturbs $p = e^{s - \mathrm{lse}}$, and the suite's
 # `logits-1e3-spread-causal` case sees `dk` off by 1.4e-3 instead of < 1e-4. The package's blockwise
-# keeps the running max and the log of the sum separately and does not lose those bits. No input the
+# and pallas keep the running max and the log of the sum as two float32 terms and compute $\delta$ as
+# `rowsum(P * dP)` (notebook 03): both pass that case, and the suite checks it. No input the
 # contract can check reveals this in advance, so splash cannot refuse it: it is a property to know.
 
 # %% [markdown]
@@ -550,7 +555,24 @@ except NotImplementedError:
 #    values, not 0. A finite sink *above* `mask_value` and far below every real logit stays the
 #    max of an empty row (weights `exp(mask_value + 1e30) = 0`, sum 1, output 0) and vanishes
 #    (`exp(-1e30 - m) = 0`) from any row with a real key.
-# 3. Depends on your machine; on the 2-core CPU this project was written on, blockwise's forward
-#    overtook xla at ~1024 tokens while xla stayed ahead forward+backward up to 2048.
+# 3. Depends on your machine: read it off your own table, at the lengths where the two lines cross.
+#    (For comparison, the README's blockwise benchmark -- one run on the 2-core CPU this project is
+#    built on, batch 1, 4 heads of 64, float32 -- has blockwise's forward ahead of xla's from 4096
+#    tokens, causal or not.)
 #
 # </details>
+
+# %% [markdown]
+# ## References
+#
+# - JAX, `jax.nn.dot_product_attention`:
+#   https://docs.jax.dev/en/latest/_autosummary/jax.nn.dot_product_attention.html.
+# - JAX's splash attention kernel, `jax/experimental/pallas/ops/tpu/splash_attention/`
+#   (https://github.com/jax-ml/jax/tree/main/jax/experimental/pallas/ops/tpu/splash_attention).
+# - G. Xiao et al., "Efficient Streaming Language Models with Attention Sinks", 2023,
+#   arXiv:2309.17453 (the sink logit splash exposes).
+# - T. Dao, "FlashAttention-2", 2023, arXiv:2307.08691.
+# - JAX's block-sparse Pallas guide: https://docs.jax.dev/en/latest/pallas/tpu/sparse.html.
+# - A. Zhang, "Forcing Flash Attention onto a TPU and Learning the Hard Way", 2026,
+#   https://archerzhang.me/forcing-flash-attention-onto-a-tpu -- `jax.nn.dot_product_attention`
+#   matched fused attention there.

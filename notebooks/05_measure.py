@@ -502,8 +502,9 @@ else:
 #
 # Each stub raises `NotImplementedError`; fill it in and re-run its cell. Solutions are at the end.
 #
-# 1. **Ridge.** Return the ridge point (FLOP per HBM byte, bf16) of a TPU v6e from its published
-#    numbers (918 TFLOP/s, 1638 GB/s).
+# 1. **Ridge.** Return the ridge point (FLOP per HBM byte, bf16) of a TPU v6e from the numbers
+#    `tpuattn.chips` holds for it (JAX's own table: 920 TFLOP/s, 1640 GB/s per chip; Google Cloud's
+#    v6e page rounds differently).
 # 2. **Re-reads.** For a non-causal flash forward in bf16, write the arithmetic intensity as a
 #    function of `block_q` alone, counting only the K/V re-reads (they dominate at long lengths).
 # 3. **Block size.** Using your function, find the smallest `block_q` (a multiple of 128) that makes
@@ -528,9 +529,10 @@ def check_exercises():
     checks = {
         "1 ridge": lambda: np.testing.assert_allclose(
             v6e_ridge_point(), roofline.chip_spec("v6e").ridge_point(), rtol=1e-6),
+        # The model also counts Q, O, the logsumexp and the wrapper's layout copies: a few percent.
         "2 re-reads": lambda: np.testing.assert_allclose(
             flash_intensity(256), roofline.cost("pallas", long, q_block=256, kv_block=512).intensity,
-            rtol=0.02),
+            rtol=0.06),
         "3 block size": lambda: np.testing.assert_equal(smallest_compute_bound_block_q(), 256),
     }
     run_checks(checks)
@@ -543,7 +545,7 @@ check_exercises()
 #
 # ```python
 # def v6e_ridge_point():
-#     return 918e12 / 1638e9                      # ~560 FLOP per byte
+#     return 920e12 / 1640e9                      # ~561 FLOP per byte
 #
 # def flash_intensity(block_q, itemsize=2):
 #     # per (q block, kv block) tile: 4 * block_q * block_kv * D FLOPs, 2 * block_kv * D * itemsize bytes
@@ -554,3 +556,21 @@ check_exercises()
 #     return next(b for b in range(128, 2049, 128) if flash_intensity(b) >= ridge)   # 256
 # ```
 # </details>
+
+# %% [markdown]
+# ## References
+#
+# - S. Williams, A. Waterman, D. Patterson, "Roofline: an insightful visual performance model for
+#   multicore architectures", Communications of the ACM 52(4), 2009.
+# - T. Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness",
+#   2022, arXiv:2205.14135; T. Dao, "FlashAttention-2", 2023, arXiv:2307.08691.
+# - J. Austin et al., "How to Scale Your Model", 2025, https://jax-ml.github.io/scaling-book/ (the TPU
+#   and roofline chapters).
+# - JAX's chip table: `jax/_src/pallas/mosaic/tpu_info.py` (`pltpu.get_tpu_info_for_chip`, JAX >= 0.8.1);
+#   Google Cloud's TPU pages, https://cloud.google.com/tpu/docs/system-architecture-tpu-vm.
+# - Published TPU measurements the roofline is tested against (`tests/test_roofline.py`):
+#   https://github.com/jax-ml/jax/issues/24633; apple/axlearn
+#   `axlearn/common/flash_attention/tpu_attention_benchmark.py`; marin-community/marin's splash logbook
+#   and PR #6330.
+# - A. Zhang, "Forcing Flash Attention onto a TPU and Learning the Hard Way", 2026,
+#   https://archerzhang.me/forcing-flash-attention-onto-a-tpu -- the write-up this collection answers.
