@@ -84,14 +84,19 @@ def chip_known(chip_name: str) -> bool:
     """Whether the installed TPU compiler knows ``chip_name`` (libtpu 0.0.23, JAX 0.7.2's, has no tpu7x)."""
     from tpuattn import chips
 
+    name = chips.get(chip_name).topology
+    if name in _UNKNOWN_TOPOLOGIES:
+        return False
     try:
-        _topology(chips.get(chip_name).topology)
+        _topology(name)
     except Exception:  # noqa: BLE001 - JAX raises XlaRuntimeError / JaxRuntimeError by version
+        _UNKNOWN_TOPOLOGIES.add(name)
         return False
     return True
 
 
 _TOPOLOGIES: dict = {}
+_UNKNOWN_TOPOLOGIES: set = set()  # names the installed compiler refused: asked once, not per row
 
 
 def _topology(name: str):
@@ -306,9 +311,12 @@ def block_row(chip_name: str, kernel: str, block_q: int, block_kv: int, head_dim
             "jax_version": row["jax_version"], "libtpu_version": row["libtpu_version"]}
 
 
-def block_table(chip_names, head_dims=(64, 128, 256), dtypes=("bfloat16", "float32"),
+def block_table(chip_names, head_dims=(128, 256), dtypes=("bfloat16", "float32"),
                 candidates=BLOCK_CANDIDATES, kernels=KERNELS, progress: bool = True) -> list:
-    """:func:`block_row` for every chip, kernel, head_dim, dtype and pair ``block_kv <= block_q``."""
+    """:func:`block_row` for every chip, kernel, head_dim, dtype and pair ``block_kv <= block_q``.
+
+    The kernels pad head_dim to a multiple of 128, so 64 compiles the same kernel as 128: the
+    default sweeps the two widths that differ."""
     jobs = [(c, k, bq, bk, d, t) for c in chip_names for k in kernels for d in head_dims for t in dtypes
             for bq in candidates for bk in candidates if bk <= bq]
     rows = []
@@ -392,7 +400,7 @@ def main(argv=None) -> list:
     parser.add_argument("--blocks", action="store_true",
                         help="instead: which Pallas block sizes compile per chip, head_dim (--head-dims) and "
                              "dtype (--dtypes), written to blocks.csv/json")
-    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--head-dims", default="128,256", help="--blocks: head_dim 64 pads to 128")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)

@@ -260,6 +260,11 @@ def _io_bytes(spec) -> tuple[float, float, float]:
     return q, kv, e
 
 
+def _arguments_and_results(q_bytes: float, kv_bytes: float, mode: str) -> float:
+    """HBM of the call's own inputs and outputs: Q, K, V in; O out (fwd) or dQ, dK, dV out (fwd+bwd)."""
+    return q_bytes + 2 * kv_bytes + (q_bytes if mode == "fwd" else q_bytes + 2 * kv_bytes)
+
+
 def _materialised(impl: str, spec, mode: str, chip: ChipSpec | None = None) -> Cost:
     """Every score computed and kept in HBM. ``chip``: score buffers that fit the device's VMEM cost no
     HBM traffic (the compiler may keep them on chip: on v5e a 64 MiB score buffer stayed in VMEM and
@@ -272,7 +277,7 @@ def _materialised(impl: str, spec, mode: str, chip: ChipSpec | None = None) -> C
     d = spec.head_dim
     live = {**DEFAULT_LIVE_SCORES, **api.get_implementation(impl).model.get("live_scores", {})}[mode](p) * n
     lean = DEFAULT_LIVE_SCORES[mode](p) * n
-    io = q_bytes + 2 * kv_bytes + (q_bytes if mode == "fwd" else q_bytes + 2 * kv_bytes)  # in, out
+    io = _arguments_and_results(q_bytes, kv_bytes, mode)
     if chip is not None and live + io > chip.hbm_capacity:
         live = lean  # short of HBM, XLA falls back to the leanest graph (seen for jax.nn's path)
     on_chip = chip is not None and live <= chip.vmem_bytes * chip.tensor_cores
@@ -386,7 +391,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     # Live at the peak: inputs and outputs, the kernel-layout copies of Q, K, V, the logsumexp, and
     # for the backward O and dO (kernel layout) and delta (the compiler's memory analysis agrees
     # within a few percent once these buffers are too large to stay in VMEM).
-    peak = q_bytes + 2 * kv_bytes + (q_bytes if mode == "fwd" else q_bytes + 2 * kv_bytes) + lse
+    peak = _arguments_and_results(q_bytes, kv_bytes, mode) + lse
     if copies:
         peak += widen * (q_bytes + 2 * kv_bytes)
     if widen > 1:  # the kernels' padded outputs are buffers of their own (unpadded, the compiler reuses)
