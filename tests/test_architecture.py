@@ -87,6 +87,9 @@ LAYERS = [
     ("tpuattn.registry",),
     ("tpuattn.impl", "tpuattn.pallas"),
     ("tpuattn.api",),
+    # Beyond one call on one chip: many chips (sharded and ring attention) and decode over a KV cache.
+    # Both build on the contract and the kernels below and are measured and modelled by the layers above.
+    ("tpuattn.parallel", "tpuattn.decode"),
     ("tpuattn.measure",),
     ("tpuattn.model",),
     ("tpuattn.viz", "tpuattn.exercises"),

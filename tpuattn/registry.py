@@ -72,6 +72,31 @@ class Implementation:
     default_blocks: Callable[[AttentionSpec, str | None], tuple[int, int]] | None = None
     options: tuple[str, ...] = ()
     model: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    partial: PartialOps | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialOps:
+    """What an implementation offers to attend one block of a larger problem (ring attention).
+
+    All in the contract layout, float32 results; ``spec`` is a block's spec
+    (:func:`tpuattn.spec.block_spec`); ``(m, log_l)`` are float32 ``[batch, heads, q_len]``, the
+    row max and the log of the row sum of ``exp(s - m)``, a row that sees nothing having
+    ``m = -inf`` and ``log_l = 0``:
+
+    * ``forward(q, k, v, segment_ids, spec, **options) -> (out, m, log_l)``: ``out`` normalised by
+      its own row sum (zeros for a row that sees nothing);
+    * ``row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options) -> delta``: this block's
+      share of ``rowsum(P * dP)``, with ``P`` taken from the given (whole-problem) ``(m, log_l)``;
+    * ``backward(q, k, v, segment_ids, spec, m, log_l, d_out, delta, **options) -> (dq, dk, dv)``:
+      this block's shares of the gradients, from the whole problem's ``(m, log_l)`` and ``delta``.
+
+    Summed over the blocks of a row, the shares are the whole problem's values.
+    """
+
+    forward: Callable
+    row_sums: Callable
+    backward: Callable
 
 
 _REGISTRY: dict[str, Implementation] = {}

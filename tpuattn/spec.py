@@ -70,14 +70,22 @@ class MaskSpec:
     causal: bool = False
     window: tuple[int | None, int | None] | None = None  # (left, right)
     has_segments: bool = False
+    # Where this block sits in a larger problem: its query 0 is ``shift`` positions further right
+    # (relative to its keys) than bottom-right alignment of the block alone would put it. 0 for
+    # every call of the contract; the sharded and ring attention of :mod:`tpuattn.parallel` attend
+    # one chunk of queries to one chunk of keys and set it (see :func:`block_spec`).
+    shift: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "window", normalise_window(self.window, self.q_len, self.kv_len))
+        # A window side wider than the problem is unbounded: clipped to the block's extent, which
+        # for a block of a larger problem includes its shift.
+        window = normalise_window(self.window, self.q_len + abs(self.shift), self.kv_len)
+        object.__setattr__(self, "window", window)
 
     @property
     def offset(self) -> int:
-        """Key position of query 0 minus 0: ``kv_len - q_len`` (bottom-right alignment)."""
-        return self.kv_len - self.q_len
+        """Key position of query 0: ``kv_len - q_len`` (bottom-right alignment), plus ``shift``."""
+        return self.kv_len - self.q_len + self.shift
 
     @property
     def is_trivial(self) -> bool:
@@ -293,6 +301,28 @@ def spec_from_shapes(q_len: int, kv_len: int | None = None, *, batch: int = 1, n
                          head_dim=sizes["head_dim"], dtype=dtype,
                          scale=1.0 / math.sqrt(sizes["head_dim"]) if scale is None else scale,
                          softcap=_positive_number("softcap", softcap), mask=mask)
+
+
+def block_spec(spec: AttentionSpec, *, q_start: int, q_len: int, kv_start: int, kv_len: int,
+               batch: int | None = None, num_q_heads: int | None = None,
+               num_kv_heads: int | None = None) -> AttentionSpec:
+    """The spec of one block of ``spec``'s problem: queries ``[q_start, q_start + q_len)`` against
+    keys ``[kv_start, kv_start + kv_len)``, with the masks of the whole problem.
+
+    The block keeps bottom-right alignment of the whole: its query ``i`` sits at key position
+    ``q_start + i + spec.kv_len - spec.q_len`` of the whole, i.e. at ``i + kv_len - q_len + shift``
+    of the block. ``batch`` and the head counts default to the whole's (a shard of them may be
+    given). Used by :mod:`tpuattn.parallel` for the chunk pairs of a sharded sequence.
+    """
+    shift = (q_start - kv_start) + (spec.kv_len - spec.q_len) - (kv_len - q_len)
+    mask = MaskSpec(q_len=positive_int("q_len", q_len), kv_len=positive_int("kv_len", kv_len),
+                    causal=spec.mask.causal, window=spec.mask.window, has_segments=spec.mask.has_segments,
+                    shift=int(shift))
+    return dataclasses.replace(
+        spec, q_len=q_len, kv_len=kv_len, mask=mask,
+        batch=spec.batch if batch is None else batch,
+        num_q_heads=spec.num_q_heads if num_q_heads is None else num_q_heads,
+        num_kv_heads=spec.num_kv_heads if num_kv_heads is None else num_kv_heads)
 
 
 # ---------------------------------------------------------------------------- validating arrays

@@ -60,7 +60,7 @@ from jax import lax
 
 from tpuattn._checks import known_options, positive_int
 from tpuattn.impl.common import mark_varying, matmul, pad_to_multiple, varying_axes
-from tpuattn.registry import register
+from tpuattn.registry import PartialOps, register
 from tpuattn.spec import EMPTY, FULL, MaskSpec
 
 OPTIONS = ("block_q", "block_kv")
@@ -317,12 +317,16 @@ def _delta(cfg: _Config, qt, kt, vt, segs, lse, d_out_in):
     return _run_schedule(cfg, body, _like_inputs(jnp.zeros(row_max.shape, jnp.float32), qt, kt, vt))
 
 
-def _backward(cfg: _Config, qt, kt, vt, segs, lse, d_out):
-    """Recompute each scheduled tile from the log-sum-exp; returns (dq, dk, dv) in float32."""
+def _backward(cfg: _Config, qt, kt, vt, segs, lse, d_out, delta=None):
+    """Recompute each scheduled tile from the log-sum-exp; returns (dq, dk, dv) in float32.
+
+    ``delta`` (rowsum(P * dP) of the whole row) is computed here unless given (a block of a
+    larger problem, :data:`PARTIAL`, gets it summed over every block of the row)."""
     row_max, log_denom = lse
     cast = _mm(qt.dtype)
     d_out_in = cast(d_out.astype(jnp.float32))
-    delta = _delta(cfg, qt, kt, vt, segs, lse, d_out_in)
+    if delta is None:
+        delta = _delta(cfg, qt, kt, vt, segs, lse, d_out_in)
 
     def body(carry, step, t):
         dq, dk, dv = carry
@@ -392,20 +396,14 @@ def resolve_blocks(spec, options) -> tuple[int, int]:
     return min(block_q, spec.q_len), min(block_kv, spec.kv_len)
 
 
-def blockwise_attention(q, k, v, segment_ids, spec, **options):
-    """Online-softmax attention behind the contract (see the module docstring).
-
-    Options:
-      block_q: query rows per block (default: :func:`default_blocks`).
-      block_kv: keys per block (default: :func:`default_blocks`).
-    A block larger than its sequence is clipped to the sequence length.
-    """
+def _layout(q, k, v, segment_ids, spec, options):
+    """The loop's config and its layout: ``[b, hkv, g, Tq, d]`` queries (query head ``h`` reads kv
+    head ``h // g``), ``[b, hkv, Tk, d]`` keys and values, each padded to whole blocks."""
     block_q, block_kv = resolve_blocks(spec, options)
     cfg = _Config(mask=spec.mask, scale=float(spec.scale), softcap=spec.softcap, block_q=block_q,
                   block_kv=block_kv, steps=schedule(spec.mask, block_q, block_kv))
-    b, tq, hq, d = q.shape
+    b, _, _, d = q.shape
     hkv, g = spec.num_kv_heads, spec.group_size
-    # [b, Tq, hq, d] -> [b, hkv, g, Tq, d]; query head h reads kv head h // g.
     qt = pad_to_multiple(q, 1, block_q).reshape(b, -1, hkv, g, d).transpose(0, 2, 3, 1, 4)
     kt = pad_to_multiple(k, 1, block_kv).transpose(0, 2, 1, 3)
     vt = pad_to_multiple(v, 1, block_kv).transpose(0, 2, 1, 3)
@@ -414,8 +412,76 @@ def blockwise_attention(q, k, v, segment_ids, spec, **options):
         # Padded query rows get a segment of their own; padded keys are hidden by position anyway.
         segs = (pad_to_multiple(segment_ids[0], 1, block_q, value=-1),
                 pad_to_multiple(segment_ids[1], 1, block_kv, value=-2))
-    out = _flash(cfg, qt, kt, vt, segs)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, -1, hq, d)[:, :tq]
+    return cfg, qt, kt, vt, segs
+
+
+def _from_rows_layout(q, x):
+    """``[b, hkv, g, Tq_padded, d]`` back to the contract's ``[b, Tq, H, d]``."""
+    b, tq, hq, d = q.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, -1, hq, d)[:, :tq]
+
+
+def blockwise_attention(q, k, v, segment_ids, spec, **options):
+    """Online-softmax attention behind the contract (see the module docstring).
+
+    Options:
+      block_q: query rows per block (default: :func:`default_blocks`).
+      block_kv: keys per block (default: :func:`default_blocks`).
+    A block larger than its sequence is clipped to the sequence length.
+    """
+    cfg, qt, kt, vt, segs = _layout(q, k, v, segment_ids, spec, options)
+    return _from_rows_layout(q, _flash(cfg, qt, kt, vt, segs))
+
+
+# ----------------------------------------------------------------------------- one block of many
+def _stats_in(spec, tq_padded, m, log_l):
+    """Whole-problem row stats ``[b, H, Tq]`` (``m = -inf``: sees nothing) in the loop's layout and
+    convention (``m = +inf`` so that ``exp(s - m) = 0``), padded rows seeing nothing."""
+    b, hq, tq = m.shape
+    pad = ((0, 0), (0, 0), (0, tq_padded - tq))
+    m = jnp.pad(jnp.where(m == -jnp.inf, jnp.inf, m), pad, constant_values=jnp.inf)
+    log_l = jnp.pad(log_l, pad)
+    shape = (b, spec.num_kv_heads, spec.group_size, tq_padded)
+    return m.reshape(shape), log_l.reshape(shape)
+
+
+def _rows_out(spec, x, tq):
+    """``[b, hkv, g, Tq_padded]`` row values back to ``[b, H, Tq]``."""
+    return x.reshape(x.shape[0], spec.num_q_heads, -1)[:, :, :tq]
+
+
+def partial_forward(q, k, v, segment_ids, spec, **options):
+    """This block's ``(out, m, log_l)`` (see :class:`tpuattn.registry.PartialOps`)."""
+    cfg, qt, kt, vt, segs = _layout(q, k, v, segment_ids, spec, options)
+    out, (m, log_l) = _forward(cfg, qt, kt, vt, segs)
+    m = jnp.where(m == jnp.inf, -jnp.inf, m)
+    tq = q.shape[1]
+    return _from_rows_layout(q, out), _rows_out(spec, m, tq), _rows_out(spec, log_l, tq)
+
+
+def partial_row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options):
+    """This block's share of ``rowsum(P * dP)`` under the whole problem's row stats."""
+    cfg, qt, kt, vt, segs = _layout(q, k, v, segment_ids, spec, options)
+    lse = _stats_in(spec, qt.shape[3], m, log_l)
+    do = _layout(d_out, k, v, None, spec, options)[1]
+    delta = _delta(cfg, qt, kt, vt, segs, lse, _mm(qt.dtype)(do.astype(jnp.float32)))
+    return _rows_out(spec, delta, q.shape[1])
+
+
+def partial_backward(q, k, v, segment_ids, spec, m, log_l, d_out, delta, **options):
+    """This block's shares of ``(dq, dk, dv)`` (float32) under the whole problem's stats."""
+    cfg, qt, kt, vt, segs = _layout(q, k, v, segment_ids, spec, options)
+    tqp = qt.shape[3]
+    lse = _stats_in(spec, tqp, m, log_l)
+    do = _layout(d_out, k, v, None, spec, options)[1]
+    delta = _stats_in(spec, tqp, jnp.zeros_like(delta), delta)[1]
+    dq, dk, dv = _backward(cfg, qt, kt, vt, segs, lse, do, delta)
+    kv_len = k.shape[1]
+    return (_from_rows_layout(q, dq), dk.transpose(0, 2, 1, 3)[:, :kv_len],
+            dv.transpose(0, 2, 1, 3)[:, :kv_len])
+
+
+PARTIAL = PartialOps(forward=partial_forward, row_sums=partial_row_sums, backward=partial_backward)
 
 
 def blockwise_auto_rank(spec, backend: str) -> float:
@@ -427,6 +493,7 @@ def blockwise_auto_rank(spec, backend: str) -> float:
 
 
 register("blockwise", blockwise_attention, auto_rank=blockwise_auto_rank, schedule="blockwise (XLA loop)",
+         partial=PARTIAL,
          default_blocks=lambda spec, chip=None: default_blocks(spec.q_len, spec.kv_len),
          options=OPTIONS,
          description="online softmax in pure JAX: static schedule over key blocks, masked blocks "

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from tpuattn._checks import known_options
 from tpuattn.impl.common import apply_softcap, matmul
-from tpuattn.registry import register
+from tpuattn.registry import PartialOps, register
 
 
 def scores(q, k, spec):
@@ -47,7 +47,61 @@ def reference_attention(q, k, v, segment_ids, spec, **options):
     return out.reshape(q.shape).astype(q.dtype)
 
 
-register("reference", reference_attention,
+# ----------------------------------------------------------------------------- one block of many
+def _block_probabilities(q, k, segment_ids, spec, m, log_l):
+    """``P`` of this block under the whole row's stats ``(m, log_l)`` ``[b, H, Tq]``, and the softcap's
+    derivative ``1 - tanh^2`` (None without one); shapes ``[b, hkv, g, Tq, Tk]``."""
+    b, tq, hq, d = q.shape
+    qg = q.reshape(b, tq, spec.num_kv_heads, spec.group_size, d)
+    s = matmul("bqhgd,bkhd->bhgqk", qg, k) * spec.scale
+    slope = None
+    if spec.softcap is not None:
+        t = jnp.tanh(s / spec.softcap)
+        s, slope = spec.softcap * t, 1.0 - t * t
+    rows = lambda x: x.reshape(b, spec.num_kv_heads, spec.group_size, tq)[..., None]
+    keep = jnp.logical_and(visibility(segment_ids, spec), jnp.isfinite(rows(m)))
+    return jnp.where(keep, jnp.exp((s - jnp.where(keep, rows(m), 0.0)) - rows(log_l)), 0.0), slope
+
+
+def _partial_forward(q, k, v, segment_ids, spec, **options):
+    known_options("reference", options, ())
+    b, tq, hq, _ = q.shape
+    s = jnp.where(visibility(segment_ids, spec), scores(q, k, spec), -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+    denom = jnp.sum(p, axis=-1)
+    out = matmul("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v) / jnp.where(denom > 0, denom, 1.0).transpose(
+        0, 3, 1, 2)[..., None]
+    rows = lambda x: x.reshape(b, hq, tq)
+    return out.reshape(q.shape), rows(m), rows(jnp.log(jnp.where(denom > 0, denom, 1.0)))
+
+
+def _partial_row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options):
+    known_options("reference", options, ())
+    p, _ = _block_probabilities(q, k, segment_ids, spec, m, log_l)
+    b, tq, hq, d = q.shape
+    dp = matmul("bqhgd,bkhd->bhgqk", d_out.reshape(b, tq, spec.num_kv_heads, spec.group_size, d), v)
+    return jnp.sum(p * dp, axis=-1).reshape(b, hq, tq)
+
+
+def _partial_backward(q, k, v, segment_ids, spec, m, log_l, d_out, delta, **options):
+    known_options("reference", options, ())
+    p, slope = _block_probabilities(q, k, segment_ids, spec, m, log_l)
+    b, tq, hq, d = q.shape
+    group = lambda x: x.reshape(b, tq, spec.num_kv_heads, spec.group_size, d)
+    do = group(d_out)
+    dv = matmul("bhgqk,bqhgd->bkhd", p.astype(q.dtype), do)
+    dp = matmul("bqhgd,bkhd->bhgqk", do, v)
+    ds = p * (dp - delta.reshape(b, spec.num_kv_heads, spec.group_size, tq)[..., None])
+    if slope is not None:
+        ds = ds * slope
+    dq = matmul("bhgqk,bkhd->bqhgd", ds, k) * spec.scale
+    dk = matmul("bhgqk,bqhgd->bkhd", ds, group(q)) * spec.scale
+    return dq.reshape(q.shape), dk, dv
+
+
+register("reference", reference_attention, partial=PartialOps(_partial_forward, _partial_row_sums,
+                                                              _partial_backward),
          description="materialised softmax over the full score matrix (the baseline)",
          # The last resort of impl="auto": it supports everything, at quadratic memory.
          auto_rank=lambda spec, backend: 9.0, schedule="materialised")

@@ -57,7 +57,7 @@ from tpuattn.pallas.compat import races_found, reset_races
 from tpuattn.pallas.forward import forward as flash_forward
 from tpuattn.pallas.layout import LANES
 from tpuattn.pallas.plan import ScheduleCounts, kv_schedule
-from tpuattn.pallas.vjp import OPTIONS, pallas_attention, resolve_interpret
+from tpuattn.pallas.vjp import OPTIONS, PARTIAL, pallas_attention, resolve_interpret
 from tpuattn.registry import register
 
 __all__ = [
@@ -95,6 +95,7 @@ register(
     schedule="flash (row-sum pass)",
     default_blocks=_default_forward_blocks,
     options=OPTIONS,
+    partial=PARTIAL,
     # logsumexp and delta are kept 128 lanes wide (f32), head_dim padded to 128, and the wrapper
     # copies Q, K, V, O (dO, dQ, dK, dV) to and from [batch, heads, seq, head_dim] around the kernels.
     model={"lse_row_bytes": 4 * LANES, "delta_row_bytes": 4 * LANES, "pads_head_dim": True,

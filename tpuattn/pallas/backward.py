@@ -245,14 +245,27 @@ def _dkv_pass(pb: _Problem, delta_row):
     )(*sched.arrays(), *operands)
 
 
-def backward(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret):
+def row_sums(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret):
+    """Pass 1 alone: ``rowsum(P * dP)`` ``[b, h, q_len]`` float32 (for a block of a larger problem,
+    its share of the row's sum: ``lse`` is then the whole row's)."""
+    pb = _Problem(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret)
+    return _q_major_pass(pb)[:, :, : spec.q_len, 0]
+
+
+def backward(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret, delta=None):
     """dQ, dK, dV (contract layout, input dtypes) from the forward's logsumexp.
 
     ``lse`` is the forward's ``[b, h, q_len, 2]`` pair (max, log sum); ``blocks`` a
-    :class:`~tpuattn.pallas.blocks.BackwardBlocks` shared by the three passes.
+    :class:`~tpuattn.pallas.blocks.BackwardBlocks` shared by the three passes. ``delta``
+    ``[b, h, q_len]`` (the whole row's ``rowsum(P * dP)``, for a block of a larger problem)
+    replaces pass 1 when given.
     """
     pb = _Problem(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret)
-    delta = _q_major_pass(pb)  # rowsum(P * dP): [b, h, tq, 128] float32, lane-replicated
+    if delta is None:
+        delta = _q_major_pass(pb)  # rowsum(P * dP): [b, h, tq, 128] float32, lane-replicated
+    else:
+        delta = pad_to_multiple(delta.astype(jnp.float32), 2, pb.bq)
+        delta = jnp.broadcast_to(delta[..., None], (*delta.shape, LANES))
     dq = _q_major_pass(pb, delta_col=delta)
     dk, dv = _dkv_pass(pb, delta_row=delta[:, :, None, :, 0])
     return (from_kernel_layout(dq, spec.q_len, spec.head_dim),

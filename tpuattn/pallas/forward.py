@@ -83,14 +83,17 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_s
         m = jnp.where(seen, m, 0.0)
         log_l = jnp.where(seen, jnp.log(jnp.where(seen, l_sum, 1.0)), 0.0)
         lane = jax.lax.broadcasted_iota(jnp.int32, m.shape, 1)
-        lse_ref[...] = jnp.where(lane == 0, m, log_l)
+        # Lane 2: did the row see any key (for a block of a larger problem, whose rows may see
+        # nothing here and something elsewhere: (0, 0) alone cannot say).
+        lse_ref[...] = jnp.where(lane == 0, m, jnp.where(lane == 1, log_l, seen.astype(jnp.float32)))
 
 
-def forward(q, k, v, segment_ids, spec, blocks, interpret):
+def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False):
     """Pallas forward. Returns ``(out [b, q_len, h, d], logsumexp [b, h, q_len, 2] float32)``.
 
     The logsumexp comes as its two terms ``(max, log(sum))``; their sum is the logsumexp
-    (0 for a row that sees no key).
+    (0 for a row that sees no key). With ``seen`` a third column says whether the row saw any
+    key (1.0) or none (0.0).
 
     ``blocks`` is a :class:`~tpuattn.pallas.blocks.ForwardBlocks`; ``interpret`` as for
     ``pallas_call`` (already resolved by the caller).
@@ -147,4 +150,4 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret):
         cost_estimate=cost,
         name="tpuattn_flash_forward",
     )(*sched.arrays(), *operands)
-    return from_kernel_layout(out, spec.q_len, spec.head_dim), lse[:, :, : spec.q_len, :2]
+    return from_kernel_layout(out, spec.q_len, spec.head_dim), lse[:, :, : spec.q_len, : 3 if seen else 2]

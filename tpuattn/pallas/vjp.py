@@ -7,14 +7,16 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuattn import chips
 from tpuattn._checks import known_options
 from tpuattn.impl.common import first_order_only, mark_varying, varying_axes
-from tpuattn.pallas.backward import backward
+from tpuattn.pallas.backward import backward, row_sums
 from tpuattn.pallas.blocks import BlockSizes, as_block_sizes
 from tpuattn.pallas.forward import forward
+from tpuattn.registry import PartialOps
 from tpuattn.spec import AttentionSpec
 
 OPTIONS = ("block_sizes", "interpret")
@@ -94,3 +96,49 @@ def pallas_attention(q, k, v, segment_ids, spec, **options):
     if segment_ids is not None:
         segment_ids = tuple(mark_varying(s, axes) for s in segment_ids)
     return _flash(q, k, v, segment_ids, Config(spec, blocks, interpret))
+
+
+# --------------------------------------------------------------------------- one block of many
+def _block_call(q, k, v, segment_ids, spec, options, *rows):
+    """Options resolved as :func:`pallas_attention` does, operands typed alike inside a shard_map."""
+    known_options("pallas", options, OPTIONS)
+    blocks = as_block_sizes(options.get("block_sizes"), spec.head_dim, spec.dtype)
+    interpret = resolve_interpret(options.get("interpret"))
+    arrays = (q, k, v, *(segment_ids or ()), *rows)
+    axes = varying_axes(*arrays)
+    arrays = [mark_varying(x, axes) for x in arrays]
+    q, k, v = arrays[:3]
+    segment_ids = None if segment_ids is None else tuple(arrays[3:5])
+    return q, k, v, segment_ids, arrays[len(arrays) - len(rows):], blocks, interpret
+
+
+def _lse_in(m, log_l):
+    """Whole-row stats ``[b, h, q_len]`` as the kernels' ``[b, h, q_len, 2]`` (a row that sees nothing:
+    0 and 0, as the forward writes it; its probabilities are masked to 0 anyway)."""
+    seen = m != -jnp.inf
+    return jnp.stack([jnp.where(seen, m, 0.0), jnp.where(seen, log_l, 0.0)], axis=-1)
+
+
+def partial_forward(q, k, v, segment_ids, spec, **options):
+    q, k, v, segment_ids, _, blocks, interpret = _block_call(q, k, v, segment_ids, spec, options)
+    out, lse = forward(q, k, v, segment_ids, spec, blocks.forward, interpret, seen=True)
+    seen = lse[..., 2] > 0
+    return out.astype(jnp.float32), jnp.where(seen, lse[..., 0], -jnp.inf), jnp.where(seen, lse[..., 1], 0.0)
+
+
+def partial_row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options):
+    q, k, v, segment_ids, (m, log_l, d_out), blocks, interpret = _block_call(
+        q, k, v, segment_ids, spec, options, m, log_l, d_out)
+    return row_sums(q, k, v, segment_ids, _lse_in(m, log_l), d_out.astype(q.dtype), spec, blocks.backward,
+                    interpret)
+
+
+def partial_backward(q, k, v, segment_ids, spec, m, log_l, d_out, delta, **options):
+    q, k, v, segment_ids, (m, log_l, d_out, delta), blocks, interpret = _block_call(
+        q, k, v, segment_ids, spec, options, m, log_l, d_out, delta)
+    grads = backward(q, k, v, segment_ids, _lse_in(m, log_l), d_out.astype(q.dtype), spec, blocks.backward,
+                     interpret, delta=delta)
+    return tuple(g.astype(jnp.float32) for g in grads)
+
+
+PARTIAL = PartialOps(forward=partial_forward, row_sums=partial_row_sums, backward=partial_backward)

@@ -1,0 +1,278 @@
+"""Attention over a device mesh: batch and heads sharded for free, the sequence by all-gather or ring.
+
+Everything runs inside one ``jax.shard_map``; the local work is an implementation's
+:class:`~tpuattn.registry.PartialOps` on *blocks* of the whole problem (a chunk of queries against a
+chunk of keys, with the whole problem's masks: :func:`tpuattn.spec.block_spec`).
+
+**All-gather** (the approach MaxText uses for TPU context parallelism): every device gathers the
+whole K and V over the sequence axis and attends its own query chunks to them. Memory per device:
+the whole K/V; one collective, which autodiff turns into a reduce-scatter of dK/dV.
+
+**Ring** (Ring Attention, Liu et al. 2023): K/V (and their segment ids) travel around the ring with
+``lax.ppermute`` while each device attends its queries to the block it holds; partial results are
+merged by their logsumexp (:func:`merge`). The backward runs two rings: the first sums each row's
+``delta = rowsum(P * dP)`` over the blocks (as the single-chip kernels do, for accuracy on
+nearly one-hot rows), the second accumulates dQ at home while dK/dV travel with their K/V and
+arrive home after the last step. Memory per device: one block of K/V (two, with the one in
+flight) whatever the sequence length. Each step's permute is issued before its compute, so the
+compiler may overlap the transfer with the work.
+
+Blocks a mask hides entirely are skipped (a ``lax.switch`` branch that returns the empty state);
+with disjoint segment ids the skip is decided at run time; steps that no device needs are not
+run at all, so a sliding window stops the ring early.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tpuattn.impl.common import mark_varying, varying_axes
+from tpuattn.parallel.layout import from_zigzag
+from tpuattn.parallel.plan import RingPlan, allgather_plan, ring_plan
+from tpuattn.registry import PartialOps
+from tpuattn.spec import AttentionSpec
+
+
+# --------------------------------------------------------------------------- merging partial results
+def merge(a, b):
+    """Merge two partial results ``(out, m, log_l)`` over disjoint key sets into one.
+
+    ``out`` ``[b, T, H, D]`` float32 is each part's softmax-weighted mean of its values; ``m`` and
+    ``log_l`` ``[b, H, T]`` its row max and the log of its row sum of ``exp(s - m)`` (``m = -inf``:
+    the part saw no key). The merged row is weighted by each part's ``exp(m + log_l)`` relative to
+    the larger max, so nothing overflows and a part that saw nothing weighs 0.
+    """
+    out_a, m_a, log_a = a
+    out_b, m_b, log_b = b
+    m = jnp.maximum(m_a, m_b)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w_a = jnp.where(m_a == -jnp.inf, 0.0, jnp.exp(m_a - m_safe + log_a))
+    w_b = jnp.where(m_b == -jnp.inf, 0.0, jnp.exp(m_b - m_safe + log_b))
+    total = w_a + w_b
+    seen = total > 0
+    denom = jnp.where(seen, total, 1.0)
+    to_out = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # [b, H, T] -> [b, T, H, 1]
+    out = (to_out(w_a) * out_a + to_out(w_b) * out_b) / to_out(denom)
+    return out, jnp.where(seen, m, -jnp.inf), jnp.where(seen, jnp.log(denom), 0.0)
+
+
+def empty_state(q):
+    """The partial result of attending to no key: zeros, ``m = -inf``, ``log_l = 0``."""
+    b, t, h, _ = q.shape
+    axes = varying_axes(q)
+    return (mark_varying(jnp.zeros(q.shape, jnp.float32), axes),
+            mark_varying(jnp.full((b, h, t), -jnp.inf, jnp.float32), axes),
+            mark_varying(jnp.zeros((b, h, t), jnp.float32), axes))
+
+
+# --------------------------------------------------------------------------- the static configuration
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    plan: RingPlan
+    ops: PartialOps
+    axis: str
+    options: tuple
+    has_segments: bool
+
+    @property
+    def kwargs(self):
+        return dict(self.options)
+
+
+def _split(x, parts: int, axis: int):
+    return [x] if parts == 1 else jnp.split(x, parts, axis=axis)
+
+
+def _join(xs, axis: int):
+    return xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=axis)
+
+
+def _segments_meet(q_ids, kv_ids):
+    """Does any query of any batch row share a segment id with any key of the row? (sorted search,
+    ``O((Tq + Tk) log Tq)``, no ``Tq x Tk`` comparison)."""
+
+    def row(qs, ks):
+        qs = jnp.sort(qs)
+        pos = jnp.clip(jnp.searchsorted(qs, ks), 0, qs.shape[0] - 1)
+        return jnp.any(qs[pos] == ks)
+
+    return jnp.any(jax.vmap(row)(q_ids, kv_ids))
+
+
+def _branch_index(cfg: _Ring, table, s, i, j, q_seg, kv_seg):
+    idx = table[s, i, j]
+    if cfg.has_segments:
+        idx = jnp.where(_segments_meet(q_seg, kv_seg), idx, cfg.plan.skip)
+    return idx
+
+
+def _ppermute(tree, axis: str, n: int, shift: int):
+    perm = [(i, (i + shift) % n) for i in range(n)]
+    return jax.tree_util.tree_map(lambda x: lax.ppermute(x, axis, perm), tree)
+
+
+def _segs(q_seg, kv_seg):
+    return None if q_seg is None else (q_seg, kv_seg)
+
+
+# --------------------------------------------------------------------------- ring: forward
+def _ring_forward(cfg: _Ring, q, k, v, q_seg, kv_seg):
+    plan, ops, c = cfg.plan, cfg.ops, cfg.plan.chunks
+    table = jnp.asarray(plan.branch)[lax.axis_index(cfg.axis)]  # [n, c, c] for this device
+    qs, q_segs = _split(q, c, 1), (_split(q_seg, c, 1) if cfg.has_segments else [None] * c)
+    states = [empty_state(x) for x in qs]
+
+    # Each branch merges its block into the running state itself: a conditional's result is the new
+    # state, so the old one dies there (merged outside, XLA may fuse the merges of all unrolled
+    # steps into one and keep every step's partial result alive at once).
+    def compute(spec):
+        return lambda state, q, k, v, segs: merge(state, ops.forward(q, k, v, segs, spec, **cfg.kwargs))
+
+    branches = [compute(spec) for spec in plan.specs] + [lambda state, q, k, v, segs: state]
+    held = (k, v, kv_seg)
+    for s in range(plan.steps):
+        # Issue the next step's transfer first: it does not depend on this step's work.
+        upcoming = _ppermute(held, cfg.axis, plan.n, 1) if s + 1 < plan.steps else None
+        ks, vs = _split(held[0], c, 1), _split(held[1], c, 1)
+        kv_segs = _split(held[2], c, 1) if cfg.has_segments else [None] * c
+        for i in range(c):
+            for j in range(c):
+                idx = _branch_index(cfg, table, s, i, j, q_segs[i], kv_segs[j])
+                states[i] = lax.switch(idx, branches, states[i], qs[i], ks[j], vs[j],
+                                       _segs(q_segs[i], kv_segs[j]))
+        held = upcoming
+    out = _join([st[0] for st in states], 1)
+    m = _join([st[1] for st in states], 2)
+    log_l = _join([st[2] for st in states], 2)
+    return out, m, log_l
+
+
+# --------------------------------------------------------------------------- ring: backward
+def _ring_backward(cfg: _Ring, residuals, d_out):
+    q, k, v, q_seg, kv_seg, m, log_l = residuals
+    plan, ops, c, n = cfg.plan, cfg.ops, cfg.plan.chunks, cfg.plan.n
+    table = jnp.asarray(plan.branch)[lax.axis_index(cfg.axis)]
+    qs, dos = _split(q, c, 1), _split(d_out, c, 1)
+    ms, logs = _split(m, c, 2), _split(log_l, c, 2)
+    q_segs = _split(q_seg, c, 1) if cfg.has_segments else [None] * c
+    axes = varying_axes(q, k, v)
+    zeros = lambda shape: mark_varying(jnp.zeros(shape, jnp.float32), axes)
+
+    def held_chunks(held):
+        kv_segs = _split(held[2], c, 1) if cfg.has_segments else [None] * c
+        return _split(held[0], c, 1), _split(held[1], c, 1), kv_segs
+
+    # Ring 1: delta = rowsum(P * dP), summed over every block of the row.
+    # As in the forward, each branch adds its share into the running sums itself.
+    def row_sums(spec):
+        return lambda acc, q, k, v, segs, m, log_l, do: acc + ops.row_sums(q, k, v, segs, spec, m, log_l, do,
+                                                                          **cfg.kwargs)
+
+    skip_rows = lambda acc, q, k, v, segs, m, log_l, do: acc
+    branches = [row_sums(spec) for spec in plan.specs] + [skip_rows]
+    deltas = [zeros(x.shape) for x in ms]
+    held = (k, v, kv_seg)
+    for s in range(plan.steps):
+        upcoming = _ppermute(held, cfg.axis, n, 1) if s + 1 < plan.steps else None
+        ks, vs, kv_segs = held_chunks(held)
+        for i in range(c):
+            for j in range(c):
+                idx = _branch_index(cfg, table, s, i, j, q_segs[i], kv_segs[j])
+                deltas[i] = lax.switch(idx, branches, deltas[i], qs[i], ks[j], vs[j],
+                                       _segs(q_segs[i], kv_segs[j]), ms[i], logs[i], dos[i])
+        held = upcoming
+
+    # Ring 2: dQ stays home; dK/dV travel with their K/V and are sent home after the last step.
+    def grads(spec):
+        def add(acc, q, k, v, segs, m, log_l, do, delta):
+            parts = ops.backward(q, k, v, segs, spec, m, log_l, do, delta, **cfg.kwargs)
+            return tuple(a + p for a, p in zip(acc, parts, strict=True))
+
+        return add
+
+    branches = [grads(spec) for spec in plan.specs] + [lambda acc, *_: acc]
+    dqs = [zeros(x.shape) for x in qs]
+    held = (k, v, kv_seg)
+    dk_acc, dv_acc = zeros(k.shape), zeros(v.shape)
+    for s in range(plan.steps):
+        upcoming = _ppermute(held, cfg.axis, n, 1) if s + 1 < plan.steps else None
+        ks, vs, kv_segs = held_chunks(held)
+        dks, dvs = _split(dk_acc, c, 1), _split(dv_acc, c, 1)
+        for i in range(c):
+            for j in range(c):
+                idx = _branch_index(cfg, table, s, i, j, q_segs[i], kv_segs[j])
+                acc = (dqs[i], dks[j], dvs[j])
+                dqs[i], dks[j], dvs[j] = lax.switch(idx, branches, acc, qs[i], ks[j], vs[j],
+                                                    _segs(q_segs[i], kv_segs[j]), ms[i], logs[i], dos[i],
+                                                    deltas[i])
+        dk_acc, dv_acc = _join(dks, 1), _join(dvs, 1)
+        # The accumulators follow their K/V to the next device; after the last step, straight home
+        # (they are then ``steps - 1`` devices downstream).
+        shift = 1 if s + 1 < plan.steps else -(plan.steps - 1)
+        if shift % n:
+            dk_acc, dv_acc = _ppermute((dk_acc, dv_acc), cfg.axis, n, shift)
+        held = upcoming
+    return (_join(dqs, 1).astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg, q, k, v, q_seg, kv_seg):
+    return _ring_forward(cfg, q, k, v, q_seg, kv_seg)[0].astype(q.dtype)
+
+
+def _ring_fwd(cfg, q, k, v, q_seg, kv_seg):
+    out, m, log_l = _ring_forward(cfg, q, k, v, q_seg, kv_seg)
+    # Residuals: the local shards and two floats per query row; no output, no scores.
+    return out.astype(q.dtype), (q, k, v, q_seg, kv_seg, m, log_l)
+
+
+def _ring_bwd(cfg, residuals, d_out):
+    dq, dk, dv = _ring_backward(cfg, residuals, d_out)
+    return dq, dk, dv, None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# --------------------------------------------------------------------------- the local programs
+def ring_local(spec: AttentionSpec, n: int, layout: str, axis: str, ops: PartialOps, options: dict,
+               shares: dict):
+    """The per-device function of the ring strategy (``q, k, v, q_seg, kv_seg -> out``)."""
+    cfg = _Ring(plan=ring_plan(spec, n, layout, **shares), ops=ops, axis=axis,
+                options=tuple(sorted(options.items())), has_segments=spec.has_segments)
+    return lambda q, k, v, q_seg, kv_seg: _ring(cfg, q, k, v, q_seg, kv_seg)
+
+
+def allgather_local(spec: AttentionSpec, n: int, layout: str, axis: str, fn, options: dict, shares: dict):
+    """The per-device function of the all-gather strategy: gather K/V (natural order), then attend
+    each local query chunk with its block spec (one ``lax.switch`` branch per distinct spec)."""
+    specs, table = allgather_plan(spec, n, layout, **shares)
+    c = table.shape[1]
+
+    def local(q, k, v, q_seg, kv_seg):
+        gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)
+        k_all, v_all = gather(k), gather(v)
+        kv_all = gather(kv_seg) if kv_seg is not None else None
+        if layout == "zigzag":
+            k_all, v_all = from_zigzag(k_all, n), from_zigzag(v_all, n)
+            kv_all = from_zigzag(kv_all, n) if kv_all is not None else None
+        row = jnp.asarray(table)[lax.axis_index(axis)]
+        qs = _split(q, c, 1)
+        q_segs = _split(q_seg, c, 1) if q_seg is not None else [None] * c
+        branches = [functools.partial(lambda q, segs, spec: fn(q, k_all, v_all, segs, spec, **options),
+                                      spec=spec) for spec in specs]
+        outs = [lax.switch(row[i], branches, qs[i], _segs(q_segs[i], kv_all)) for i in range(c)]
+        return _join(outs, 1)
+
+    return local
+
+
+def work_per_step(spec: AttentionSpec, n: int, layout: str) -> np.ndarray:
+    """``[n, steps]`` visible scores each device computes at each ring step (from the schedule)."""
+    return ring_plan(spec, n, layout).work
