@@ -28,8 +28,10 @@
 # - call `impl="xla"` and `impl="splash"` and check them against the package's reference;
 # - compare the error of *every* implementation against a float64 NumPy attention, by dtype and length;
 # - list which JAX APIs each implementation touches and what changed between JAX 0.7.2 and 0.10.2;
-# - build a decision guide from measured (this machine) and modelled (TPU roofline) numbers, and read
-#   the `impl="auto"` rule that encodes it.
+# - build a decision guide from measured (this machine), modelled (TPU roofline) and compiled (TPU
+#   compiler) numbers, each in its own panel, and read the `impl="auto"` rule that encodes it;
+# - write code: translate masks for `jax.nn` and for splash's mask objects, and register an
+#   implementation with its own `supports`.
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/04_native_attention.ipynb)
 
@@ -55,7 +57,7 @@ SEED = 0
 BATCH, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 1, 4, 2, 32
 # Numerics: every implementation, at these lengths and dtypes (causal). Pallas kernels run in
 # interpret mode off-TPU, so keep these small on CPU.
-ERROR_LENGTHS = [128, 512]
+ERROR_LENGTHS = [128, 256, 512]
 ERROR_DTYPES = ["float32", "bfloat16"]
 # Timings on this machine (forward, causal) for the compiled implementations.
 RUN_TIMINGS = True
@@ -118,7 +120,7 @@ print("jax.nn is_causal=True == contract's causal:", bool((seen_jax_nn == expect
 fig, axes = plt.subplots(1, 3, figsize=(10, 2.8))
 style.show_mask(axes[0], seen_contract, title="impl='xla' (contract: bottom-right)")
 style.show_mask(axes[1], seen_jax_nn, title="jax.nn is_causal=True (top-left)")
-style.show_mask(axes[2], seen_splash, title="impl='splash' (CausalMask, offset 4)")
+style.show_mask(axes[2], seen_splash, title=f"impl='splash' (CausalMask, offset {KV_LEN - Q_LEN})")
 fig.suptitle(f"causal with q_len={Q_LEN}, kv_len={KV_LEN}, read off each function's output")
 style.save_figure(fig, "04_alignment")
 plt.show()
@@ -260,11 +262,12 @@ fig, axes = plt.subplots(1, len(ERROR_DTYPES), figsize=(5.5 * len(ERROR_DTYPES),
 for ax, dtype in zip(axes[0], ERROR_DTYPES, strict=True):
     for impl in impls:
         ax.plot(ERROR_LENGTHS, [errors[impl, dtype, n] for n in ERROR_LENGTHS], marker=markers[impl],
-                markerfacecolor="none", label=impl)
+                markerfacecolor="none", label=impl, color=style.impl_colour(impl))
     ax.axhline(tolerance[dtype], color="grey", linestyle="--", label="suite tolerance")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length",
-           ylim=(tolerance[dtype] / 1000, tolerance[dtype] * 3),
+    ax.set(xscale="log", yscale="log", xlabel="sequence length", xticks=ERROR_LENGTHS,
+           xticklabels=[str(n) for n in ERROR_LENGTHS], ylim=(tolerance[dtype] / 1000, tolerance[dtype] * 3),
            title=style.labelled(f"{dtype} inputs, causal (overlapping lines = equal errors)", measured=True))
+    ax.xaxis.set_minor_locator(plt.NullLocator())
 axes[0, 0].set_ylabel("max |out - float64|")
 axes[0, -1].legend(loc="lower right", fontsize="small")
 style.save_figure(fig, "04_errors")
@@ -289,18 +292,24 @@ print("every implementation within 2e-5 (float32) and 2e-2 (bfloat16) of float64
 # softmax weights are averaged, not summed.
 #
 # One difference appears only at extreme logits, in the gradients, and the test suite pins it down:
-# splash's backward reads **one float32 log-sum-exp per row**. With logits near 4000 its rounding
-# (an ulp of 4000 is 2.4e-4) perturbs $p = e^{s - \mathrm{lse}}$, and the suite's
-# `logits-1e3-spread-causal` case sees `dk` off by 1.4e-3 instead of < 1e-4. The package's blockwise
+# splash's backward reads **one float32 log-sum-exp per row**. With logits in the thousands its
+# rounding (the float32 spacing printed below) perturbs $p = e^{s - \mathrm{lse}}$ by as much, and the
+# suite's `logits-1e3-spread-causal` case sees splash's `dk` outside the gradient tolerance that the
+# others meet (`tests/test_hardening.py` measures it). The package's blockwise
 # and pallas keep the running max and the log of the sum as two float32 terms and compute $\delta$ as
 # `rowsum(P * dP)` (notebook 03): both pass that case, and the suite checks it. No input the
 # contract can check reveals this in advance, so splash cannot refuse it: it is a property to know.
 
+# %%
+for logit in (1.0, 1000.0, 4000.0):
+    print(f"float32 spacing at a log-sum-exp of {logit:6.0f}: {np.spacing(np.float32(logit)):.1e} "
+          f"-> relative error of p up to {np.expm1(np.spacing(np.float32(logit))):.1e}")
+
 # %% [markdown]
 # ## 4. What each implementation costs to keep working
 #
-# * `reference`: `jnp.einsum`, `jnp.where`, `jnp.exp`. Maintained by us, but it is 20 lines of
-#   stable public API.
+# * `reference`: `jnp.einsum`, `jnp.where`, `jnp.exp`. Maintained by us, but it is one short function
+#   of stable public API.
 # * `blockwise`: `jax.custom_vjp`, `lax.cond` and `jnp`. Maintained by us: the online softmax and its
 #   backward.
 # * `pallas`: `pl.pallas_call`, `pl.BlockSpec`, `pltpu.PrefetchScalarGridSpec`,
@@ -353,18 +362,22 @@ print("  splash.make_splash_mha takes interpret=:",
 # %% [markdown]
 # ## 5. A decision guide
 #
-# Two kinds of evidence, labelled as such:
+# Three kinds of evidence, from three different machines, labelled as such and never drawn on one
+# axis:
 #
 # * **measured** on this machine: wall-clock of the compiled implementations (`tpuattn.measure.timing`:
 #   compile separately, warm up, median of repeats). The Pallas kernels are timed only on a TPU
 #   (in bf16 with 8 heads of 128 there): off a TPU they run in interpret mode, which says nothing
-#   about kernel speed.
+#   about kernel speed, so they are left out here rather than drawn beside compiled code.
 # * **modelled** for a TPU: the roofline lower bound from `tpuattn.roofline` (notebook 05 explains
-#   it): `xla` materialises the score matrix in HBM, `splash` streams tiles through VMEM and skips
-#   the masked ones.
+#   it): `xla` materialises the score matrix, `splash` streams tiles through VMEM and skips the masked
+#   ones.
+# * **compiled** for a TPU: what the real TPU compiler plans for each implementation, built on this
+#   machine without running it (`tpuattn.measure.aot`, shipped as a report with the package).
 #
-# Notebook 05 measures every implementation over a sweep (and, on a TPU runtime, the real chip); run
-# it on your hardware before trusting any rule of thumb here.
+# A CPU millisecond and a modelled TPU millisecond are different quantities: compare implementations
+# *within* a panel, never across panels. Notebook 05 measures every implementation over a sweep (and,
+# on a TPU runtime, the real chip); run it on your hardware before trusting any rule of thumb here.
 
 # %%
 timings = {}  # (impl, length) -> median seconds, forward, causal
@@ -383,39 +396,31 @@ if RUN_TIMINGS:
             fn = lambda q, k, v, impl=impl: tpuattn.attention(q, k, v, causal=True, impl=impl)
             timings[impl, length] = time_jitted(fn, *x, repeats=3, min_total_s=0.05).median_s
 
-# %% tags=["nbval-ignore-output"]
+# %% [markdown]
+# The modelled side, on the chip named in the parameters: the lower-bound time of each path and the
+# first length at which splash's bound is below xla's.
+
+# %%
 model_rows = {}
 for impl in ("xla", "splash"):
     model_rows[impl] = [roofline.predict(impl, roofline.problem(n, heads=8, head_dim=128, causal=True),
                                          MODEL_CHIP, "fwd") for n in MODEL_LENGTHS]
-
-fig, (ax_measured, ax_model) = plt.subplots(1, 2, figsize=(11, 3.6))
-for impl in sorted({name for name, _ in timings}):
-    ax_measured.plot(TIMING_LENGTHS, [timings[impl, n] * 1e3 for n in TIMING_LENGTHS], "o-", label=impl)
-ax_measured.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms (median)",
-                title=style.labelled(f"forward, causal, {TIMED_HEADS} heads x {TIMED_HEAD_DIM}, "
-                                     f"{jnp.dtype(TIMED_DTYPE).name}", measured=True))
-if timings:
-    ax_measured.legend()
-for impl, rows in model_rows.items():
-    ax_model.plot(MODEL_LENGTHS, [r.time_s * 1e3 for r in rows], "o-", label=impl)
-ax_model.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms (lower bound)",
-             title=style.labelled("forward, causal, 8 heads x 128, bf16", measured=False, chip=MODEL_CHIP))
-ax_model.legend()
-style.save_figure(fig, "04_decision")
-plt.show()
-style.close(fig)
-
-print(f"measured here ({PLATFORM.label()}), forward causal, median ms:")
-for length in TIMING_LENGTHS:
-    print(f"  {length:>6}: " + "  ".join(f"{impl} {timings[impl, length] * 1e3:8.1f}"
-                                       for impl in sorted({name for name, _ in timings})))
-print(f"modelled on {MODEL_CHIP} (bf16, causal): xla / splash lower-bound time and bound")
+print(f"modelled on {MODEL_CHIP} (bf16, causal, 8 heads x 128): xla / splash lower-bound time and bound")
 for n, rx, rs in zip(MODEL_LENGTHS, model_rows["xla"], model_rows["splash"], strict=True):
     print(f"  {n:>6}: xla {rx.time_s * 1e3:8.3f} ms ({rx.bound}, fits HBM: {rx.fits_hbm})  "
-          f"splash {rs.time_s * 1e3:8.3f} ms ({rs.bound})  ratio {rx.time_s / rs.time_s:4.1f}x")
+          f"splash {rs.time_s * 1e3:8.3f} ms ({rs.bound})  xla / splash {rx.time_s / rs.time_s:4.1f}x")
+model_crossover = next((n for n, rx, rs in zip(MODEL_LENGTHS, model_rows["xla"], model_rows["splash"],
+                                               strict=True) if rs.time_s < rx.time_s), None)
+ratios = [rx.time_s / rs.time_s for rx, rs in zip(model_rows["xla"], model_rows["splash"], strict=True)
+          if rx.time_s > rs.time_s]
+print(f"modelled crossover on {MODEL_CHIP}: splash below xla from T = {model_crossover} "
+      f"(of {MODEL_LENGTHS}); from there xla's bound is {min(ratios):.1f}-{max(ratios):.1f}x splash's")
 
 # %% [markdown]
+# Short sequences go the other way in the model: below the crossover the whole score matrix fits in
+# the chip's VMEM, the compiler can keep it on chip, and the materialised path moves almost nothing
+# through HBM, while splash still pays for padding to its tiles.
+#
 # **Compiled for a TPU.** The model's HBM numbers can be checked against the real TPU compiler
 # without a TPU: `python -m tpuattn.aot` compiles each implementation for a chip and reads the
 # compiler's memory analysis (notebook 03 shows how). The package ships one such report, made by
@@ -433,8 +438,9 @@ print(f"  made by: {report['command']}")
 compiled_rows = {(r["chip"], r["impl"], r["seq_len"]): r for r in report["rows"]
                  if r["mode"] == "fwd+bwd"}
 lengths = sorted({r["seq_len"] for r in report["rows"]})
+report_chips = list(dict.fromkeys(r["chip"] for r in report["rows"]))
 print(f"{'chip':<6} {'impl':<7}" + "".join(f"{f'T={n}':>16}" for n in lengths) + "   (peak HBM, MiB)")
-for chip in dict.fromkeys(r["chip"] for r in report["rows"]):
+for chip in report_chips:
     for impl in ("xla", "splash", "pallas"):
         cells = []
         for n in lengths:
@@ -443,36 +449,92 @@ for chip in dict.fromkeys(r["chip"] for r in report["rows"]):
             cells.append(f"{r['peak_hbm_bytes'] / 2**20:16.0f}" if ok else f"{r['status']:>16}")
         print(f"{chip:<6} {impl:<7}" + "".join(cells))
 longest = lengths[-1]
-for chip in dict.fromkeys(r["chip"] for r in report["rows"]):
-    xla_row, pallas_row = compiled_rows[chip, "xla", longest], compiled_rows[chip, "pallas", longest]
-    if xla_row["status"] == "ok" and pallas_row["status"] == "ok":
-        ratio = xla_row["peak_hbm_bytes"] / pallas_row["peak_hbm_bytes"]
-        print(f"{chip} at T={longest}: xla needs {ratio:.0f}x the Pallas kernel's HBM")
+oom = [c for c in report_chips if compiled_rows[c, "xla", longest]["status"] == "out_of_memory"]
+at_longest = {c: (compiled_rows[c, "xla", longest], compiled_rows[c, "pallas", longest])
+              for c in report_chips}
+fits = {c: x["peak_hbm_bytes"] / p["peak_hbm_bytes"] for c, (x, p) in at_longest.items()
+        if x["status"] == "ok" and p["status"] == "ok"}
+print(f"at T={longest}: xla is out of memory on {', '.join(oom)}; where it fits "
+      + ", ".join(f"{c} needs {ratio:.0f}x" for c, ratio in fits.items()) + " the Pallas kernel's HBM")
 with chips.target("v2"):  # what impl="auto" picks for bfloat16 on Colab's legacy v2-8
     v2_spec = tpuattn.spec_from_shapes(2048, num_q_heads=8, head_dim=128, dtype="bfloat16", causal=True)
     print("auto on a v2, bfloat16:", tpuattn.choose(v2_spec, "tpu"))
 
 # %% [markdown]
-# At 32k tokens the materialised path runs out of HBM on every chip in the table except the two
-# with the most HBM per device (v5p, tpu7x), and there it needs some sixty times the Pallas kernel's
-# memory; the two flash kernels need little beyond their inputs and outputs. On the v2 (Colab's
-# legacy runtime) both Pallas kernels refuse bfloat16 -- Mosaic there has no bfloat16 matmul -- so
-# `impl="auto"` picks `xla` for bfloat16 on that chip.
+# The last lines above say where the materialised path runs out of HBM at the longest length, and how
+# many times the Pallas kernel's memory it needs on the chips where it still fits; the two flash
+# kernels need little beyond their inputs and outputs. On the v2 (Colab's legacy runtime) both Pallas
+# kernels refuse bfloat16 -- Mosaic there has no bfloat16 matmul -- so `impl="auto"` picks `xla` for
+# bfloat16 on that chip.
+#
+# The three kinds of evidence side by side, one panel each (one colour per implementation throughout):
+
+# %% tags=["nbval-ignore-output"]
+fig, (ax_measured, ax_model, ax_compiled) = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained")
+measured_impls = [name for name in TIMED if any(key[0] == name for key in timings)]
+for impl in measured_impls:
+    ax_measured.plot(TIMING_LENGTHS, [timings[impl, n] * 1e3 for n in TIMING_LENGTHS], "o-", label=impl,
+                     color=style.impl_colour(impl))
+ax_measured.set(xscale="log", yscale="log", xlabel="sequence length",
+                ylabel=f"ms per call, measured on {PLATFORM.label()}",
+                title=style.labelled(f"measured: forward, causal, {TIMED_HEADS} heads x {TIMED_HEAD_DIM}, "
+                                     f"{jnp.dtype(TIMED_DTYPE).name}", measured=True))
+if timings:
+    ax_measured.legend()
+else:
+    ax_measured.text(0.5, 0.5, "RUN_TIMINGS = False", ha="center", transform=ax_measured.transAxes)
+for impl, rows in model_rows.items():
+    ax_model.plot(MODEL_LENGTHS, [r.time_s * 1e3 for r in rows], "o-", label=impl,
+                  color=style.impl_colour(impl))
+ax_model.set(xscale="log", yscale="log", xlabel="sequence length",
+             ylabel=f"ms, modelled lower bound on TPU {MODEL_CHIP}",
+             title=style.labelled("modelled: forward, causal, 8 heads x 128, bf16", measured=False,
+                                  chip=f"TPU {MODEL_CHIP}"))
+ax_model.legend()
+for impl in ("xla", "splash", "pallas"):
+    rows = [compiled_rows[MODEL_CHIP, impl, n] for n in lengths]
+    ok = [(n, r["peak_hbm_bytes"] / 2**20) for n, r in zip(lengths, rows, strict=True) if r["status"] == "ok"]
+    ax_compiled.plot(*zip(*ok, strict=True), "o-", label=impl, color=style.impl_colour(impl))
+    for n, r in zip(lengths, rows, strict=True):
+        if r["status"] == "out_of_memory":
+            ax_compiled.plot(n, chips.get(MODEL_CHIP).per_device()["hbm_bytes"] / 2**20, "x", ms=10,
+                             color=style.impl_colour(impl))
+ax_compiled.axhline(chips.get(MODEL_CHIP).per_device()["hbm_bytes"] / 2**20, color=style.MISSING_COLOUR,
+                    ls="--", lw=0.8, label="HBM of one device (x: out of memory)")
+ax_compiled.set(xscale="log", yscale="log", xlabel="sequence length",
+                ylabel=f"peak HBM (MiB), compiled for TPU {MODEL_CHIP}",
+                title=f"compiled: forward + backward, peak HBM\n({aot.LABEL}, TPU {MODEL_CHIP})")
+ax_compiled.legend(fontsize="small", loc="center right")
+for ax, ticks in ((ax_measured, TIMING_LENGTHS), (ax_model, MODEL_LENGTHS[::2]), (ax_compiled, lengths)):
+    ax.set_xticks(ticks, [str(n) for n in ticks])
+    ax.xaxis.set_minor_locator(plt.NullLocator())
+fig.suptitle("three kinds of evidence from three machines: compare implementations within a panel, "
+             "not across panels", fontsize="medium")
+style.save_figure(fig, "04_decision")
+plt.show()
+style.close(fig)
+
+print(f"measured here ({PLATFORM.label()}), forward causal, median ms:")
+for length in TIMING_LENGTHS:
+    print(f"  {length:>6}: " + "  ".join(f"{impl} {timings[impl, length] * 1e3:8.1f}"
+                                       for impl in measured_impls))
 
 # %% [markdown]
-# **The rule, as code.** `impl="auto"` calls `tpuattn.choose_implementation(spec, backend)`; its
-# docstring carries the evidence. It walks a preference list per backend and returns the first
-# implementation that is registered, available and *supports the input* (so `softcap` skips `xla`,
-# float16 skips `splash`), with `reference` as the last resort:
+# **The rule, as code.** `impl="auto"` calls `tpuattn.choose(spec, backend)` (or
+# `choose_implementation` for the name alone); its docstring and each implementation's `auto_rank`
+# carry the evidence. Every registered, available implementation that *supports the input* offers a
+# rank, and the lowest wins (so `softcap` skips `xla`, float16 skips `splash`), with `reference`
+# last:
 #
-# * **TPU**: `splash` when `q_len >= 128` and `kv_len >= 512` (the model says the flash schedule is
-#   4–10x below the materialised one from there); `xla` for short sequences and for decoding
-#   (`q_len < 128`, where splash would pad the queries to a 128-row tile).
+# * **TPU**: `splash` when `q_len >= 128` and `kv_len >= 512` (`tpuattn.impl.common.long_enough_for_flash`:
+#   below one 128-row query tile a flash kernel pads most of its tile), else `xla`, which also serves
+#   decoding (`q_len < 128`). The threshold sits below the modelled crossover printed above; the
+#   rule's docstring rests it on the compiled peak HBM (the right panel), where splash needs a
+#   fraction of xla's memory at every length in the report.
 # * **GPU**: `xla`, which uses cuDNN's fused kernel when the case allows.
-# * **CPU**: `xla`, unless its float32 score matrix would pass 1 GiB; then `blockwise`. Measured on
-#   the machine this was written on: xla ~2x faster than the reference from 512 tokens (below that,
-#   within noise); blockwise faster forward-only from ~1024 tokens but slower forward+backward, so
-#   memory, not speed, is what makes the switch.
+# * **CPU**: `xla`, unless its float32 score matrix would pass 1 GiB (the rule's constant); then
+#   `blockwise`: on a CPU it is memory, not speed, that makes the switch (the measured panel above
+#   shows how the speeds compare on this machine).
 
 # %%
 shapes = [
@@ -503,64 +565,144 @@ for name, kw in shapes:
 # > sink for splash).
 #
 # > **Takeaway.** Numerically, every implementation here agrees with float64 to float32 rounding;
-# > bfloat16 error comes from the inputs. Splash's single float32 log-sum-exp costs gradient bits
-# > only at logits in the thousands.
+# > in bfloat16 the error is each implementation's own rounding, well inside the suite's tolerance.
+# > Splash's single float32 log-sum-exp costs gradient bits only at very large logits.
 #
 # > **Takeaway.** Cost to keep working is the API surface you touch: `jax.nn.dot_product_attention` is
 # > public and stable; splash lives under `experimental` but its public names did not move between
 # > 0.7.2 and 0.10.2; our Pallas kernel touches the Pallas APIs that did. Keep each behind `register`,
-# > keep the oracle suite, and choose by measurement: on TPU the model favours splash from ~512
-# > tokens; on CPU xla until memory runs out.
+# > keep the oracle suite, and choose by evidence of the right kind: on TPU the model and the
+# > compiler favour splash for long sequences; on CPU xla until memory runs out.
+
 
 # %% [markdown]
 # ## Exercises
 #
-# **1. Top-left to bottom-right with `local_window_size`.** `jax.nn`'s `local_window_size=(l, r)`
-# keeps keys `i - l <= j <= i + r` (top-left). Write `jax_nn_window(left, right, q_len, kv_len)` that
-# returns the `(l, r)` giving the contract's bottom-right window `(left, right)`, then check it with
-# the probe.
+# Each stub raises `NotImplementedError`; fill it in and re-run the check cell below them. Solutions
+# are in the hidden cell at the end of the notebook (it runs the same checks). Difficulty from ★☆☆ to
+# ★★★, with the time it takes at a workshop.
+#
+# **1. Top-left to bottom-right with `local_window_size`** (★★☆, 10 min). `jax.nn`'s
+# `local_window_size=(l, r)` keeps keys `i - l <= j <= i + r` (top-left). Write
+# `jax_nn_window(left, right, q_len, kv_len)` that returns the `(l, r)` giving the contract's
+# bottom-right window `(left, right)`; the check reads both masks with the probe of section 1.
+#
+# **2. Why a sink of $-10^{30}$ and not $-\infty$?** (★☆☆, 5 min). Splash's running max starts at
+# the sink; a masked key has the logit `mask_value` (`splash_kernel.DEFAULT_MASK_VALUE`,
+# $-0.7\cdot$ float32 max). Write `masked_key_weight(sink)`: the float32 weight `exp(s - m)` a masked
+# key gets in the first tile of a row that sees no key, where `m = max(sink, s)` is the running max
+# after that tile. The check tries a sink of $-\infty$ and of $-10^{30}$; say which one returns zeros
+# for empty rows, and why.
+#
+# **3. A mask in splash's own objects** (★★☆, 15 min). Splash describes a head's mask with objects from
+# `splash_attention_mask`: `FullMask(shape)`, `CausalMask(shape, offset=...)` and
+# `LocalMask(shape, window_size=(left, right), offset=...)` (`None` for an unbounded side); indexing
+# one, `mask[:, :]`, gives its dense boolean array. Write `splash_mask(q_len, kv_len, causal, window)`
+# that returns the object whose array is the contract's mask (`tpuattn.MaskSpec(q_len, kv_len,
+# causal=..., window=...).dense()`, broadcast to `[q_len, kv_len]`), for `window` `None` or a pair.
+# The check compares the two arrays for square and rectangular shapes, causal or not, with windows
+# bounded on one side or both. (The package's own translation is `tpuattn/impl/splash.py`; write
+# yours before reading it.)
+#
+# **4. Register an implementation with its own `supports`** (★★★, 20 min). A team wants `xla` only for
+# short sequences, where its score matrix stays small. Write `supports_short(spec, backend=None)`:
+# `None` when `spec.kv_len <= 1024` and `spec.softcap is None`, otherwise a sentence that names the
+# field (`"kv_len ..."` or `"softcap ..."`) and says what to use instead. Then write
+# `register_xla_short()` that registers an implementation named `"xla_short"` with `tpuattn.register`,
+# reusing `xla`'s function (`tpuattn.registry.registered()["xla"].fn`) and your `supports`, and never
+# chosen by `impl="auto"`. The check registers it, runs it against `impl="reference"`, expects
+# `tpuattn.UnsupportedInput` with your sentence for a long or soft-capped input, and unregisters it.
+#
+# **5. Measure your own crossover** (★★☆, 20 min; no automatic check: the answer is your machine's).
+# Set `TIMING_LENGTHS = [256, 1024, 2048, 4096]` and time the forward *and* `jax.grad` of each
+# compiled implementation. At which length does `blockwise` overtake `xla` on this machine, and does
+# the backward change the answer?
 
 # %%
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_masks
+
+from tpuattn import registry
+from tpuattn.exercises import run_checks
+
+
 def jax_nn_window(left, right, q_len, kv_len):
     raise NotImplementedError("FILL ME IN")
 
 
-try:
-    window_tl = jax_nn_window(3, 1, 6, 10)
-    got = probe_visibility(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, local_window_size=window_tl),
-                           6, 10)
-    want = probe_visibility(lambda q, k, v: tpuattn.attention(q, k, v, window=(3, 1), impl="xla"), 6, 10)
-    np.testing.assert_array_equal(got, want)
-    print("exercise 1: correct")
-except NotImplementedError:
-    print("exercise 1: not done yet (hint: the contract's query i sits at key position i + kv_len - q_len)")
+def masked_key_weight(sink):
+    raise NotImplementedError("FILL ME IN")
 
-# %% [markdown]
-# **2. Why a sink of $-10^{30}$ and not $-\infty$?** Splash's running max starts at the sink. What
-# would `exp(m_prev - m_next)` be in the first tile if the sink were $-\infty$ and every key of that
-# tile were masked?
-#
-# **3. Measure your own crossover.** Set `TIMING_LENGTHS = [256, 1024, 2048, 4096]` and time the
-# forward *and* `jax.grad` of each compiled implementation. At which length does `blockwise` overtake
-# `xla` on this machine, and does the backward change the answer?
-#
-# <details><summary>Solutions</summary>
-#
-# 1. Shift both sides by the offset `o = kv_len - q_len`: `(l, r) = (left - o, right + o)`.
-#    (`return left - (kv_len - q_len), right + (kv_len - q_len)`.) An unbounded side has no
-#    `local_window_size` equivalent: use a number at least `q_len + kv_len`.
-# 2. Every masked logit is `mask_value` ($-0.7\cdot$ float32 max). With a sink of $-\infty$ the first
-#    tile gives `m_next = max(-inf, mask_value) = mask_value`, so each masked key gets weight
-#    `exp(mask_value - mask_value) = 1`: a row that sees nothing returns the mean of the masked
-#    values, not 0. A finite sink *above* `mask_value` and far below every real logit stays the
-#    max of an empty row (weights `exp(mask_value + 1e30) = 0`, sum 1, output 0) and vanishes
-#    (`exp(-1e30 - m) = 0`) from any row with a real key.
-# 3. Depends on your machine: read it off your own table, at the lengths where the two lines cross.
-#    (For comparison, the README's blockwise benchmark -- one run on the 2-core CPU this project is
-#    built on, batch 1, 4 heads of 64, float32 -- has blockwise's forward ahead of xla's from 4096
-#    tokens, causal or not.)
-#
-# </details>
+
+def splash_mask(q_len, kv_len, causal, window):
+    raise NotImplementedError("FILL ME IN")
+
+
+def supports_short(spec, backend=None):
+    raise NotImplementedError("FILL ME IN")
+
+
+def register_xla_short():
+    raise NotImplementedError("FILL ME IN")
+
+
+def check_window(jax_nn_window):
+    for left, right, q_len, kv_len in ((3, 1, 6, 10), (2, 0, 8, 8), (0, 2, 5, 12)):
+        window_tl = jax_nn_window(left, right, q_len, kv_len)
+        got = probe_visibility(lambda q, k, v, w=window_tl: jax.nn.dot_product_attention(
+            q, k, v, local_window_size=w), q_len, kv_len)
+        want = probe_visibility(lambda q, k, v, w=(left, right): tpuattn.attention(
+            q, k, v, window=w, impl="xla"), q_len, kv_len)
+        np.testing.assert_array_equal(got, want, err_msg=f"window {(left, right)}, {q_len} x {kv_len}")
+
+
+def check_sink(masked_key_weight):
+    assert float(masked_key_weight(-np.inf)) == 1.0, "with a sink of -inf, what is max(sink, mask_value)?"
+    assert float(masked_key_weight(-1e30)) == 0.0, "with a sink of -1e30 a masked key's weight should vanish"
+
+
+def check_splash_mask(splash_mask):
+    for q_len, kv_len in ((16, 16), (8, 24), (24, 8)):
+        for causal in (False, True):
+            for window in (None, (3, 2), (4, None), (None, 1), (0, 0)):
+                want = np.broadcast_to(tpuattn.MaskSpec(q_len, kv_len, causal=causal, window=window).dense(),
+                                       (q_len, kv_len))
+                got = np.asarray(splash_mask(q_len, kv_len, causal, window)[:, :])
+                np.testing.assert_array_equal(got, want, err_msg=f"{q_len}x{kv_len} causal={causal} {window}")
+
+
+def check_register(supports_short, register_xla_short):
+    register_xla_short()
+    try:
+        record = registry.registered()["xla_short"]
+        assert record.supports is supports_short, "register your supports_short"
+        assert record.auto_rank(spec_for(256, 256), "tpu") is None, "xla_short must never be chosen by auto"
+        x = [jnp.asarray(rng.standard_normal((1, 256, 2, 32)), jnp.float32) for _ in range(3)]
+        np.testing.assert_allclose(tpuattn.attention(*x, causal=True, impl="xla_short"),
+                                   tpuattn.attention(*x, causal=True, impl="reference"), atol=2e-5, rtol=2e-5)
+        long = [jnp.zeros((1, 2048, 2, 32), jnp.float32)] * 3
+        for args, kwargs, field in ((long, {}, "kv_len"), (x, {"softcap": 30.0}, "softcap")):
+            try:
+                tpuattn.attention(*args, impl="xla_short", **kwargs)
+            except tpuattn.UnsupportedInput as err:
+                assert field in str(err), f"the refusal should name {field}: {err}"
+            else:
+                raise AssertionError(f"xla_short should refuse this input ({field})")
+    finally:
+        registry.unregister("xla_short")
+
+
+def check_exercises(jax_nn_window, masked_key_weight, splash_mask, supports_short, register_xla_short):
+    run_checks({
+        "1 window": lambda: check_window(jax_nn_window),
+        "2 sink": lambda: check_sink(masked_key_weight),
+        "3 splash mask": lambda: check_splash_mask(splash_mask),
+        "4 register": lambda: check_register(supports_short, register_xla_short),
+    }, hint="see the exercise text above the stubs")
+
+
+check_exercises(jax_nn_window, masked_key_weight, splash_mask, supports_short, register_xla_short)
+
 
 # %% [markdown]
 # ## References
@@ -576,3 +718,58 @@ except NotImplementedError:
 # - A. Zhang, "Forcing Flash Attention onto a TPU and Learning the Hard Way", 2026,
 #   https://archerzhang.me/forcing-flash-attention-onto-a-tpu -- `jax.nn.dot_product_attention`
 #   matched fused attention there.
+
+# %% [markdown]
+# ## Solutions
+#
+# The cell below is hidden: open it after trying the exercises. It defines a solution for each checked
+# exercise and runs the same checks; for exercise 5 it says how to read your own table.
+
+# %% jupyter={"source_hidden": true} tags=["solution", "hide-input"]
+def jax_nn_window_solution(left, right, q_len, kv_len):
+    # The contract's query i sits at key position i + o, o = kv_len - q_len: shift both sides by o.
+    # (An unbounded side has no local_window_size equivalent: use a number >= q_len + kv_len.)
+    offset = kv_len - q_len
+    return left - offset, right + offset
+
+
+def masked_key_weight_solution(sink):
+    # m = max(sink, mask_value). A sink of -inf leaves m = mask_value, so every masked key gets
+    # exp(0) = 1 and an empty row returns the mean of v. A finite sink above mask_value (and far below
+    # any real logit) stays the max of an empty row: weights exp(mask_value + 1e30) = 0, sum 1 from the
+    # sink itself, output 0; in a row with real keys it vanishes, exp(-1e30 - m) = 0.
+    mask_value = np.float32(splash_kernel.DEFAULT_MASK_VALUE)
+    running_max = np.maximum(np.float32(sink), mask_value)
+    return np.exp(mask_value - running_max)
+
+
+def splash_mask_solution(q_len, kv_len, causal, window):
+    shape, offset = (q_len, kv_len), kv_len - q_len   # offset: key position of query 0
+    if window is None and not causal:
+        return splash_masks.FullMask(shape)
+    if window is None:
+        return splash_masks.CausalMask(shape, offset=offset)
+    left, right = window
+    if causal:  # causal caps the right side at 0
+        right = 0 if right is None else min(right, 0)
+    return splash_masks.LocalMask(shape, window_size=(left, right), offset=offset)
+
+
+def supports_short_solution(spec, backend=None):
+    if spec.kv_len > 1024:
+        return (f"kv_len: xla_short serves at most 1024 keys, got {spec.kv_len}; "
+                "use impl='splash' or 'blockwise'")
+    if spec.softcap is not None:
+        return "softcap: jax.nn.dot_product_attention has no logit soft-capping; use impl='blockwise'"
+    return None
+
+
+def register_xla_short_solution():
+    tpuattn.register("xla_short", registry.registered()["xla"].fn, supports=supports_short_solution,
+                     auto_rank=lambda spec, backend: None, replace=True,
+                     description="jax.nn.dot_product_attention for short sequences only (exercise 4)")
+
+
+check_exercises(jax_nn_window_solution, masked_key_weight_solution, splash_mask_solution,
+                supports_short_solution, register_xla_short_solution)
+print("exercise 5: read the crossover off your own timings; there is no single answer")

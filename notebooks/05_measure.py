@@ -34,7 +34,9 @@
 #   read off its bound and predicted time from 4k to 32k tokens;
 # - find the crossover lengths: where materialised scores outgrow HBM, and where a fused kernel
 #   without the online softmax would outgrow VMEM;
-# - on a TPU runtime: the fraction of the roofline each measured run achieves.
+# - read published TPU measurements against the roofline: how far below it real kernels run;
+# - on a TPU runtime: the fraction of the roofline each of your measured runs achieves;
+# - write code: a roofline lower bound and an out-of-memory length by hand, from `tpuattn.chips`.
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/05_measure.ipynb)
 
@@ -71,10 +73,10 @@ IMPLS = "all"  # or a list such as ["reference", "blockwise"]
 # Interpret-mode kernels (pallas, splash off a TPU) are slow and their times are not kernel speed:
 # a short sweep shows the label and checks they run.
 INTERPRET_SEQ_LENS = [128]
-# Peak memory: one child process per row on CPU (~3 s each), forward, not causal.
+# Peak memory: one child process per row on CPU, forward, not causal.
 MEASURE_MEMORY = True
 MEMORY_IMPLS = ["reference", "blockwise"]
-MEMORY_SEQ_LENS = [1024, 2048]
+MEMORY_SEQ_LENS = [512, 1024, 2048]
 MEMORY_HEADS = 8
 # The modelled problem: one long-context layer, bf16.
 MODEL_SEQ_LENS = [4096, 8192, 16384, 32768]
@@ -113,7 +115,8 @@ print(f"compiled here: {compiled_impls}; interpret mode here: {interpreted_impls
 # Each row is produced the same way (`tpuattn.timing.time_jitted`):
 #
 # 1. **compile separately**: `jax.jit(f).lower(q, k, v).compile()` is timed on its own
-#    (`compile_s`); compilation is often 100x one call and must not leak into the steady state;
+#    (`compile_s`); compilation costs many calls' worth of time (compare the `compile s` and
+#    `median ms` columns of the table below) and must not leak into the steady state;
 # 2. **warm up**: one call is run and discarded (first-call allocations, caches);
 # 3. **repeat and synchronise**: each timed call ends with `jax.block_until_ready`; JAX dispatches
 #    asynchronously, so without it you time the dispatch, not the work;
@@ -192,20 +195,27 @@ failed = [(r["impl"], r["mode"], r["seq_len"], r["status"]) for r in results.row
 print(f"{len(results.rows)} rows checked; not ok: {failed or 'none'}")
 
 # %% tags=["nbval-ignore-output"]
-fig, axes = plt.subplots(2, len(MODES), figsize=(6 * len(MODES), 8.4), squeeze=False)
+# Compiled rows on top (time, then TFLOP/s); interpret-mode rows, if any, on their own axes below:
+# a Pallas kernel interpreted on the host is never drawn on the same time axis as compiled code.
+has_interpreted = any(row["timing_kind"] == bench.TIMING_INTERPRET for row in results.rows)
+rows = 3 if has_interpreted else 2
+fig, axes = plt.subplots(rows, len(MODES), figsize=(6 * len(MODES), 4.2 * rows), squeeze=False)
 for col, mode in enumerate(MODES):
     bench_plots.plot_time(results, axes[0, col], mode)
     bench_plots.plot_tflops(results, axes[1, col], mode)
+    if has_interpreted:
+        bench_plots.plot_time(results, axes[2, col], mode, interpret=True)
 fig.tight_layout()
 style.save_figure(fig, "05_time_tflops")
 plt.show()
+style.close(fig)
 
 # %% [markdown]
 # Read the figure with its label in mind. On a CPU the numbers say how the implementations compare
 # *on this CPU*, under whatever else it was running at the time (the `spread` column says how much
-# the repeats disagreed); they say nothing about a TPU, and the interpret-mode points (dashed, at the
-# shortest length only) not even about the kernels. On a TPU runtime the same cells measure the
-# chip, and section 4 compares each row with the roofline.
+# the repeats disagreed); they say nothing about a TPU, and the interpret-mode rows (the bottom
+# panels, on axes of their own, at the shortest length only) not even about the kernels. On a TPU
+# runtime the same cells measure the chip, and section 4 compares each row with the roofline.
 #
 # ### Memory against sequence length
 #
@@ -232,6 +242,7 @@ if MEASURE_MEMORY and memory_impls:
     ax.legend(fontsize="small")
     style.save_figure(fig, "05_memory")
     plt.show()
+    style.close(fig)
     for row in memory.rows:
         mib = float("nan") if row[value] is None else row[value]
         print(f"{row['impl']:>10} T={row['seq_len']:>5}: {mib:8.0f} MiB {value} ({row['memory_method']})")
@@ -249,7 +260,8 @@ else:
 #
 # and which term wins depends on its **arithmetic intensity** $F/M$ against the chip's **ridge
 # point** peak/bandwidth. The chip numbers come from JAX's `pltpu.get_tpu_info_for_chip` where the
-# installed JAX has it (0.8.1 and later), else from Google Cloud's published table; both are shown.
+# installed JAX has it (0.8.1 and later), else from the copy of JAX's table kept in `tpuattn.chips`;
+# both are shown.
 # float32 matmuls at `Precision.HIGHEST` (what every implementation here uses for float32) run as
 # 6 bfloat16 passes, so the model's f32 peak is bf16 / 6: a *modelled* number.
 
@@ -272,11 +284,12 @@ assert (v5e.bf16_flops, v5e.hbm_bandwidth) == (197e12, 820e9)
 #
 # `roofline.cost(impl, spec, mode)` counts what each implementation's schedule executes and moves:
 #
-# * **materialised** (`reference`, `xla`): $S = QK^\top$ is written to HBM in float32 and read back
-#   by three softmax passes (row max, row sum of exponentials, normalisation that writes $P$), then
-#   $P$ is read by the $PV$ matmul: $16 + 2p$ bytes per score ($p$ = bytes of $P$). The backward
-#   (autodiff, $P$ saved) writes $dP$ and $dS$ and reads them and $P$ several times. Masks save no
-#   work: every score is computed.
+# * **materialised** (`reference`, `xla`): $S = QK^\top$ is written to HBM in float32, fused with
+#   the row max, and read back twice: by the row sum of exponentials, and by the normalisation fused
+#   into the $PV$ matmul (the passes of `roofline.MATERIALISED_FWD_PASSES`, the fusions XLA:TPU makes
+#   of `reference.py`'s graph; the breakdown below prints each with its bytes). For training the
+#   forward also writes $P$, and the backward reads $P$ and $S$ again in its own fusions. Masks save
+#   no work: every score is computed.
 # * **flash** (`pallas`, `splash`): a query block stays in VMEM while K/V blocks stream past, so K
 #   and V are re-read once per query block; scores never reach HBM; tiles that `MaskSpec.block_map`
 #   marks EMPTY are skipped. Backward: a dK/dV kernel and a dQ kernel, each recomputing $S$.
@@ -299,8 +312,8 @@ print(f"{ref_cost.hbm_bytes / 1e9:8.3f} GB  total; {ref_cost.flops / 1e12:.3f} T
 #
 # For each implementation: the executed FLOPs over HBM bytes (intensity), the bound that applies on
 # a v5e, the lower-bound time, and whether the live set fits in HBM. The Pallas kernel's blocks are
-# its own defaults for the chip (`tpuattn.pallas.blocks.default_block_sizes`); splash uses JAX's
-# default 128 x 128.
+# its own defaults for the chip (`tpuattn.pallas.blocks.default_block_sizes`), splash's the tiles
+# `impl="splash"` runs (`tpuattn.impl.splash.default_blocks`); both are printed with the table.
 
 # %%
 # The four generations the figures below draw (the table above lists every chip).
@@ -326,6 +339,13 @@ for impl in model_impls:
             print(f"{impl:<10} {mode:<8} {t:>6} {p.cost.intensity:7.0f} {p.bound:>8} {p.time_s * 1e3:9.2f} "
                   f"{p.standard_tflops:9.1f} {'yes' if p.fits_hbm else 'NO':>8}")
 print("* standard-count TFLOP/s at the predicted time: what a benchmark would report at best")
+for impl in model_impls:
+    if roofline.models()[impl] == "materialised":
+        continue
+    blocks = roofline.default_blocks(impl, roofline.problem(MODEL_SEQ_LENS[0]), chip_specs["v5e"])
+    compute_bound = [t for t in MODEL_SEQ_LENS if predictions["v5e", impl, "fwd", t].bound == "compute"]
+    print(f"{impl:<10} blocks {blocks[0]} x {blocks[1]} on v5e; forward compute bound from T = "
+          f"{compute_bound[0] if compute_bound else 'none of these'}")
 v5e_spec = chip_specs["v5e"]
 longest = MODEL_SEQ_LENS[-1]
 print(f"v5e ridge point {v5e_spec.ridge_point(MODEL_DTYPE):.0f} FLOP/byte; materialised (reference) "
@@ -337,12 +357,11 @@ print(f"v5e ridge point {v5e_spec.ridge_point(MODEL_DTYPE):.0f} FLOP/byte; mater
 # The model says three things. The materialised schedules (`reference` and `xla`, the same traffic;
 # `xla` keeps more alive) sit far left of the ridge (the intensity and ridge printed above): they
 # are memory bound at every length, and past the printed length their scores no longer fit at all.
-# The flash kernel with 512-row query blocks re-reads K/V rarely enough to be compute bound.
-# Splash is modelled at the 512 x 512 tiles `impl="splash"` runs here and lands with it; at JAX's
-# own default of 128 x 128 its intensity would be $2 \cdot 128 / 2 = 128$ FLOP/byte, memory bound on
-# a v5e, which is why this project (and production configs) raise the blocks. And the blockwise
-# loop in pure JAX, although it skips the same tiles, moves its score tiles through HBM and lands
-# between the two.
+# The flash kernels, at the blocks printed above, re-read K/V rarely enough to turn compute bound
+# from the length printed for each. At JAX's own splash default of 128 x 128 the intensity would be
+# about $2 \cdot 128 / 2 = 128$ FLOP/byte (exercise 2), memory bound on a v5e, which is why this
+# project (and production configs) raise the blocks. And the blockwise loop in pure JAX, although it
+# skips the same tiles, moves its score tiles through HBM and stays memory bound.
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey=True)
@@ -355,7 +374,7 @@ for ax, chip_name in zip(axes.flat, chip_specs, strict=True):
         ax.plot(MODEL_SEQ_LENS, times, marker="o", label=impl, color=style.impl_colour(impl), **wide)
         for t, ms, ok in zip(MODEL_SEQ_LENS, times, fits, strict=True):
             if not ok:
-                ax.plot(t, ms, "x", color="red", markersize=10)
+                ax.plot(t, ms, "x", color=style.MISSING_COLOUR, markersize=10)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(MODEL_SEQ_LENS, [str(t) for t in MODEL_SEQ_LENS])
@@ -364,21 +383,90 @@ for ax, chip_name in zip(axes.flat, chip_specs, strict=True):
     ax.set_title(style.labelled(f"causal fwd, {MODEL_DTYPE}", measured=False, chip=f"TPU {chip_name}"))
 for ax in axes[:, 0]:
     ax.set_ylabel("predicted lower-bound time (ms)")
-axes[0, 0].legend(title="red x: does not fit in HBM", fontsize="small")
+axes[0, 0].legend(title="black x: does not fit in HBM", fontsize="small")
 fig.tight_layout()
 style.save_figure(fig, "05_predicted_time")
 plt.show()
+style.close(fig)
+
+# %% [markdown]
+# ### The roofline against real runs
+#
+# A modelled point drawn on a roofline lands on the line by construction, so such a plot shows a
+# schedule's *position* (left or right of the ridge), not how well anything runs. What a roofline is
+# for is reading a **measurement** against it. This machine has no TPU, so the measurements here are
+# runs published by others on real TPUs, each with its configuration and source (the test suite
+# holds the model below every one of them, `tests/test_roofline.py`; none was used to fit it). For
+# each: the schedule's intensity (modelled: executed FLOPs over the bytes the model counts), the
+# FLOP/s the run reached (the same executed FLOPs over the **measured** time), and the fraction of
+# the roofline bound it achieved. On a TPU runtime, section 4 adds your own runs.
 
 # %%
-fig, axes = plt.subplots(2, 2, figsize=(11, 8.8))
-for ax, (chip_name, chip) in zip(axes.flat, chip_specs.items(), strict=True):
-    points = [predictions[chip_name, impl, "fwd", 8192] for impl in model_impls]
-    bench_plots.plot_roofline(ax, chip, points, dtype=MODEL_DTYPE)
-    title = style.labelled("roofline, causal fwd at 8192 tokens", measured=False, chip=f"TPU {chip_name}")
-    ax.set_title(title, fontsize="small")
+# Published measurements on real TPUs: (source, chip, the registered implementation whose schedule
+# the measured program runs, batch, heads, seq_len, head_dim, dtype, causal, mode, block size or None
+# for materialised, matmul precision, measured seconds). Sources are listed under References.
+PUBLISHED_TPU_RUNS = [
+    ("marin splash logbook", "v4", "splash", 1, 8, 8192, 128, "bfloat16", True, "fwd", 512, "highest",
+     1.837e-3),
+    ("marin splash logbook", "v4", "splash", 1, 8, 16384, 128, "bfloat16", True, "fwd", 512, "highest",
+     5.809e-3),
+    ("marin splash logbook", "v5p", "splash", 1, 8, 8192, 128, "bfloat16", True, "fwd", 512, "highest",
+     1.204e-3),
+    ("marin splash logbook", "v5p", "splash", 1, 8, 16384, 128, "bfloat16", True, "fwd", 512, "highest",
+     3.297e-3),
+    ("marin PR #6330", "v5p", "splash", 1, 8, 8192, 128, "bfloat16", True, "fwd", 512, "highest", 0.778e-3),
+    ("axlearn benchmark", "v4", "splash", 2, 110, 2048, 128, "bfloat16", True, "fwd", 512, "highest", 3.5e-3),
+    ("axlearn benchmark", "v4", "splash", 2, 110, 2048, 128, "bfloat16", True, "fwd+bwd", 512, "highest",
+     18.2e-3),
+    ("axlearn benchmark", "v4", "reference", 2, 110, 2048, 128, "bfloat16", True, "fwd", None, "highest",
+     10.5e-3),
+    ("jax-ml/jax#24633", "v5e", "splash", 32, 8, 4096, 64, "bfloat16", False, "fwd", 128, "highest",
+     144.97e-3),
+    ("Zhang 2026", "v5e", "reference", 1, 1, 4096, 64, "float32", False, "fwd", None, "default", 0.072e-3),
+    ("Zhang 2026", "v5e", "reference", 1, 1, 16384, 64, "float32", False, "fwd", None, "default", 4.445e-3),
+]
+published = []  # (chip, label, intensity, reached FLOP/s, impl, fraction of the bound)
+print(f"{'source':<21} {'chip':<4} {'schedule of':<10} {'T':>6} {'mode':<8} {'measured ms':>11} "
+      f"{'bound ms':>9} {'FLOP/B':>7} {'TFLOP/s':>8} {'fraction':>8}")
+for (source, chip_name, impl, batch, heads, t, head_dim, run_dtype, causal, mode, block, precision,
+     seconds) in PUBLISHED_TPU_RUNS:
+    spec = roofline.problem(t, batch=batch, heads=heads, head_dim=head_dim, dtype=run_dtype, causal=causal)
+    blocks = {} if block is None else {"q_block": block, "kv_block": block}
+    p = roofline.predict(impl, spec, chip_name, mode, precision=precision, **blocks)
+    reached = p.cost.flops / seconds
+    published.append((chip_name, f"{impl} {mode} T={t} ({source})", p.cost.intensity, reached, impl,
+                      p.time_s / seconds))
+    print(f"{source:<21} {chip_name:<4} {impl:<10} {t:>6} {mode:<8} {seconds * 1e3:11.3f} "
+          f"{p.time_s * 1e3:9.3f} {p.cost.intensity:7.0f} {reached / 1e12:8.1f} {p.time_s / seconds:8.2f}")
+fractions = [row[-1] for row in published]
+print(f"fraction of the roofline bound reached by the published runs: {min(fractions):.2f} to "
+      f"{max(fractions):.2f} (median {np.median(fractions):.2f})")
+
+# %%
+# Every run above is bf16, or float32 at JAX's default precision (one bf16 pass): the bf16 roof applies.
+published_chips = list(dict.fromkeys(row[0] for row in published))
+fig, axes = plt.subplots(1, len(published_chips), figsize=(5.6 * len(published_chips), 4.8), squeeze=False)
+for ax, chip_name in zip(axes[0], published_chips, strict=True):
+    points = [(label, intensity, reached, impl) for c, label, intensity, reached, impl, _ in published
+              if c == chip_name]
+    bench_plots.plot_roofline(ax, roofline.chip_spec(chip_name), dtype="bfloat16", measured=points)
+    for c, _, intensity, reached, _, fraction in published:
+        if c == chip_name:  # the fraction of the bound each run reached, beside its star
+            ax.annotate(f"{fraction:.2f}", (intensity, reached / 1e12), xytext=(5, -10),
+                        textcoords="offset points", fontsize="x-small")
+    ax.set_title(f"TPU {chip_name}: published runs (measured) against the roofline (modelled)\n"
+                 "x: modelled intensity; y: executed FLOPs / measured time", fontsize="small")
+    ax.legend(fontsize="xx-small", loc="lower right")
 fig.tight_layout()
 style.save_figure(fig, "05_roofline")
 plt.show()
+style.close(fig)
+
+# %% [markdown]
+# The stars sit below the roof by the fractions printed above (and beside each star); the dotted
+# line from each star up to the roof is what that run left on the table. The gap has causes the
+# model leaves out on purpose: the vector unit's share of the softmax (exp, max, rescaling),
+# pipeline bubbles, launch overhead, and at small sizes a grid too short to fill the chip.
 
 # %% [markdown]
 # ### Crossover lengths
@@ -419,8 +507,8 @@ from tpuattn.measure import aot
 report = aot.committed_report()
 print(f"TPU v5e, {report['problem']}: {aot.LABEL} (JAX {report['jax_version']}, "
       f"libtpu {report['libtpu_version']}) beside modelled")
-print(f"{'impl':<9} {'mode':<8} {'T':>6} {'peak HBM MiB':>13} {'model':>8} {'GB accessed':>12} {'model':>7} "
-      f"{'XLA est. ms':>11} {'bound ms':>9}")
+print(f"{'impl':<9} {'mode':<8} {'T':>6} {'peak HBM MiB':>13} {'model':>8} {'model/compiler':>14} "
+      f"{'GB accessed':>12} {'model':>7} {'XLA est. ms':>11} {'bound ms':>9}")
 for row in report["rows"]:
     if row["chip"] != "v5e" or row["status"] != "ok":
         continue
@@ -431,12 +519,18 @@ for row in report["rows"]:
     accessed = f"{row['bytes_accessed'] / 1e9:12.2f}" if own else f"{'(echo)':>12}"
     estimate = f"{row['optimal_seconds'] * 1e3:11.3f}" if own and row["optimal_seconds"] else f"{'-':>11}"
     print(f"{row['impl']:<9} {row['mode']:<8} {row['seq_len']:>6} {row['peak_hbm_bytes'] / 2**20:13.0f} "
-          f"{p.cost.peak_hbm_bytes / 2**20:8.0f} {accessed} {p.cost.hbm_bytes / 1e9:7.2f} {estimate} "
-          f"{p.time_s * 1e3:9.3f}")
+          f"{p.cost.peak_hbm_bytes / 2**20:8.0f} {p.cost.peak_hbm_bytes / row['peak_hbm_bytes']:14.2f} "
+          f"{accessed} {p.cost.hbm_bytes / 1e9:7.2f} {estimate} {p.time_s * 1e3:9.3f}")
+for row in report["rows"]:
+    if row["chip"] == "v5e" and row["status"] == "out_of_memory":
+        kwargs = dict(batch=row["batch"], heads=row["heads"], head_dim=row["head_dim"], dtype=row["dtype"])
+        print(f"{row['impl']:<9} {row['mode']:<8} {row['seq_len']:>6}  compiler: out_of_memory; model: the "
+              f"materialised {row['mode']} stops fitting from "
+              f"{roofline.materialise_crossover('v5e', mode=row['mode'], **kwargs):,} tokens")
 
 # %% [markdown]
 # Where every buffer is too large to stay on chip (the materialised rows at 8192 tokens) the
-# model's peak HBM matches the compiler's to within a few percent. Where the compiler can keep a
+# model's peak HBM matches the compiler's closely (the `model/compiler` column). Where the compiler can keep a
 # buffer in v5e's 128 MiB of VMEM -- the flash kernels' copies and outputs at these sizes -- its
 # peak is below the model's, which counts them in HBM; the test command checks the flash paths at
 # lengths where they cannot stay on chip. For traffic the model is optimistic instead: score
@@ -450,10 +544,10 @@ for row in report["rows"]:
 # ## 4. Measured against modelled
 #
 # On a TPU runtime, each compiled row of section 2 is divided into the roofline lower bound for the
-# same shape on this chip: the **fraction of roofline** achieved (1.0 would be perfect; 0.5 to 0.8 is
-# good for attention, whose softmax also loads the vector unit, which the model leaves out). Off a
-# TPU there is nothing to compare: the numbers above are measured on this machine and the roofline
-# is modelled.
+# same shape on this chip: the **fraction of roofline** achieved (1.0 would be perfect; the published
+# runs of section 3 reached the range printed there, attention's softmax also loading the vector
+# unit, which the model leaves out). Off a TPU there is nothing to compare: the numbers above are
+# measured on this machine and the roofline is modelled.
 
 # %% tags=["nbval-ignore-output"]
 chip = chips.from_device_kind(PLATFORM.device_kind)
@@ -477,12 +571,13 @@ else:
               f"{row['median_s'] * 1e3:11.3f} {p.time_s * 1e3:9.3f} {p.time_s / row['median_s']:8.2f}")
         if row["mode"] == "fwd" and row["causal"]:
             measured_points.append((f"{row['impl']} T={row['seq_len']}", p.cost.intensity,
-                                    p.cost.flops / row["median_s"]))
+                                    p.cost.flops / row["median_s"], row["impl"]))
     fig, ax = plt.subplots(figsize=(7, 4.6))
     bench_plots.plot_roofline(ax, chip, dtype=dtype, measured=measured_points)
     ax.set_title(style.labelled(f"TPU {chip_name}: measured runs on the roofline", measured=True))
     style.save_figure(fig, "05_roofline_measured")
     plt.show()
+    style.close(fig)
 
 # %% [markdown]
 # > **Takeaway.** Time compiled code only after compiling it separately, warm up, synchronise every
@@ -492,23 +587,39 @@ else:
 # > **Takeaway.** The standard FLOP count ($4BHT_qT_kD$, half for causal, 3.5x for forward+backward)
 # > is for comparing runs; the work a schedule executes, and the bytes it moves, are what bound it.
 #
-# > **Takeaway.** Materialised attention is memory bound on every TPU (its intensity sits far below
-# > every chip's ridge point) and, even for a single 8-head layer at d 128, runs out of HBM at the
-# > crossover lengths above -- which the TPU compiler's own out-of-memory confirms.
-# > A flash schedule is compute bound once its query block is large enough that re-reading K/V per
-# > block stays above the ridge point: intensity $\approx 2\,\text{block\_q}/\text{bytes per element}$.
+# > **Takeaway.** Materialised attention is memory bound on every TPU once its scores no longer fit
+# > on chip (its intensity then sits far below every chip's ridge point) and, even for a single
+# > 8-head layer at d 128, runs out of HBM at the crossover lengths above -- which the TPU compiler's
+# > own out-of-memory confirms. A flash schedule is compute bound once its query block is large enough
+# > that re-reading K/V per block stays above the ridge point: intensity
+# > $\approx 2\,\text{block\_q}/\text{bytes per element}$.
 #
 # ## Exercises
 #
-# Each stub raises `NotImplementedError`; fill it in and re-run its cell. Solutions are at the end.
+# Each stub raises `NotImplementedError`; fill it in and re-run the check cell below them. Solutions
+# are in the hidden cell at the end of the notebook (it runs the same checks). Difficulty from ★☆☆ to
+# ★★★, with the time it takes at a workshop.
 #
-# 1. **Ridge.** Return the ridge point (FLOP per HBM byte, bf16) of a TPU v6e from the numbers
-#    `tpuattn.chips` holds for it (JAX's own table: 920 TFLOP/s, 1640 GB/s per chip; Google Cloud's
-#    v6e page rounds differently).
-# 2. **Re-reads.** For a non-causal flash forward in bf16, write the arithmetic intensity as a
-#    function of `block_q` alone, counting only the K/V re-reads (they dominate at long lengths).
-# 3. **Block size.** Using your function, find the smallest `block_q` (a multiple of 128) that makes
-#    the flash forward compute bound on a v5e.
+# 1. **Ridge** (★☆☆, 5 min). Return the ridge point (FLOP per HBM byte, bf16) of one TPU v6e device
+#    from the numbers `tpuattn.chips` holds for it (`chips.get("v6e").per_device()`: JAX's own
+#    table; Google Cloud's v6e page rounds differently).
+# 2. **Re-reads** (★★☆, 10 min). For a non-causal flash forward in bf16, write the arithmetic
+#    intensity as a function of `block_q` alone, counting only the K/V re-reads (they dominate at
+#    long lengths).
+# 3. **Block size** (★★☆, 10 min). Using your function, find the smallest `block_q` (a multiple of
+#    128) that makes the flash forward compute bound on a v5e.
+# 4. **A roofline bound by hand** (★★★, 20 min). Write `materialised_forward_bound(chip_name, batch,
+#    heads, seq_len, head_dim)`: the roofline lower bound of the materialised forward (`reference`,
+#    bf16, not causal) on one device, as `(seconds, "memory" or "compute")`, from the chip's numbers
+#    in `tpuattn.chips` and the schedule of section 3 -- read Q, K, V and write O once, plus the bytes
+#    per score of the breakdown printed there; executed FLOPs: the two matmuls over every score. No
+#    `tpuattn.roofline` inside. The check compares with `roofline.predict` for shapes this notebook
+#    never modelled (16 heads of 64 on a v6e, 32 heads of 128 on a v5e).
+# 5. **When the scores stop fitting** (★★★, 15 min). Write `materialised_oom_length(chip_name, heads,
+#    head_dim)`: the smallest sequence length (batch 1, bf16, forward) at which the materialised
+#    schedule's live set -- the float32 scores plus Q, K, V and O -- exceeds one device's HBM. Solve
+#    the quadratic, then step to the exact integer. The check compares with
+#    `roofline.materialise_crossover` on three chips.
 
 
 # %%
@@ -520,42 +631,52 @@ def flash_intensity(block_q, itemsize=2):
     raise NotImplementedError("FILL ME IN")
 
 
-def smallest_compute_bound_block_q():
+def smallest_compute_bound_block_q(flash_intensity):
     raise NotImplementedError("FILL ME IN")
 
 
-def check_exercises():
+def materialised_forward_bound(chip_name, batch, heads, seq_len, head_dim):
+    raise NotImplementedError("FILL ME IN")
+
+
+def materialised_oom_length(chip_name, heads, head_dim):
+    raise NotImplementedError("FILL ME IN")
+
+
+def check_bound(materialised_forward_bound):
+    for chip_name, batch, heads, seq_len, head_dim in (("v6e", 2, 16, 8192, 64), ("v5e", 1, 32, 4096, 128)):
+        seconds, bound = materialised_forward_bound(chip_name, batch, heads, seq_len, head_dim)
+        spec = roofline.problem(seq_len, batch=batch, heads=heads, head_dim=head_dim, dtype="bfloat16")
+        want = roofline.predict("reference", spec, chip_name, "fwd")
+        np.testing.assert_allclose(seconds, want.time_s, rtol=1e-6, err_msg=f"{chip_name} {heads}x{head_dim}")
+        assert bound == want.bound, (chip_name, bound, want.bound)
+
+
+def check_oom(materialised_oom_length):
+    for chip_name, heads, head_dim in (("v6e", 16, 64), ("v5p", 8, 128), ("v5e", 8, 128)):
+        want = roofline.materialise_crossover(chip_name, heads=heads, head_dim=head_dim)
+        assert materialised_oom_length(chip_name, heads, head_dim) == want, (chip_name, want)
+
+
+def check_exercises(v6e_ridge_point, flash_intensity, smallest_compute_bound_block_q,
+                    materialised_forward_bound, materialised_oom_length):
     long = roofline.problem(32768, heads=1, head_dim=128, dtype="bfloat16")
-    checks = {
+    run_checks({
         "1 ridge": lambda: np.testing.assert_allclose(
             v6e_ridge_point(), roofline.chip_spec("v6e").ridge_point(), rtol=1e-6),
         # The model also counts Q, O, the logsumexp and the wrapper's layout copies: a few percent.
         "2 re-reads": lambda: np.testing.assert_allclose(
             flash_intensity(256), roofline.cost("pallas", long, q_block=256, kv_block=512).intensity,
             rtol=0.06),
-        "3 block size": lambda: np.testing.assert_equal(smallest_compute_bound_block_q(), 256),
-    }
-    run_checks(checks)
+        "3 block size": lambda: np.testing.assert_equal(smallest_compute_bound_block_q(flash_intensity), 256),
+        "4 roofline bound": lambda: check_bound(materialised_forward_bound),
+        "5 out of memory": lambda: check_oom(materialised_oom_length),
+    }, hint="see the exercise text above the stubs")
 
 
-check_exercises()
+check_exercises(v6e_ridge_point, flash_intensity, smallest_compute_bound_block_q, materialised_forward_bound,
+                materialised_oom_length)
 
-# %% [markdown]
-# <details><summary>Solutions</summary>
-#
-# ```python
-# def v6e_ridge_point():
-#     return 920e12 / 1640e9                      # ~561 FLOP per byte
-#
-# def flash_intensity(block_q, itemsize=2):
-#     # per (q block, kv block) tile: 4 * block_q * block_kv * D FLOPs, 2 * block_kv * D * itemsize bytes
-#     return 4 * block_q / (2 * itemsize)         # = block_q FLOP/B in bf16
-#
-# def smallest_compute_bound_block_q():
-#     ridge = roofline.chip_spec("v5e").ridge_point()
-#     return next(b for b in range(128, 2049, 128) if flash_intensity(b) >= ridge)   # 256
-# ```
-# </details>
 
 # %% [markdown]
 # ## References
@@ -574,3 +695,55 @@ check_exercises()
 #   and PR #6330.
 # - A. Zhang, "Forcing Flash Attention onto a TPU and Learning the Hard Way", 2026,
 #   https://archerzhang.me/forcing-flash-attention-onto-a-tpu -- the write-up this collection answers.
+
+# %% [markdown]
+# ## Solutions
+#
+# The cell below is hidden: open it after trying the exercises. It defines a solution for each
+# exercise and runs the same checks.
+
+# %% jupyter={"source_hidden": true} tags=["solution", "hide-input"]
+def v6e_ridge_point_solution():
+    device = chips.get("v6e").per_device()
+    return device["bf16_flops"] / device["hbm_bandwidth"]          # FLOP per byte
+
+
+def flash_intensity_solution(block_q, itemsize=2):
+    # Per (q block, kv block) tile: 4 * block_q * block_kv * D FLOPs, and 2 * block_kv * D * itemsize
+    # bytes of K and V fetched for it: block_kv and D cancel.
+    return 4 * block_q / (2 * itemsize)                            # = block_q FLOP/B in bf16
+
+
+def smallest_compute_bound_block_q_solution(flash_intensity):
+    ridge = roofline.chip_spec("v5e").ridge_point()
+    return next(b for b in range(128, 4097, 128) if flash_intensity(b) >= ridge)
+
+
+def materialised_forward_bound_solution(chip_name, batch, heads, seq_len, head_dim):
+    device = chips.get(chip_name).per_device()
+    scores = batch * heads * seq_len * seq_len
+    flops = 4 * scores * head_dim                                  # Q K^T and P V over every score
+    io_bytes = 4 * batch * seq_len * heads * head_dim * 2          # read Q, K, V; write O (bf16)
+    score_bytes = 12 * scores                                      # write S (f32), read it twice
+    compute_s = flops / device["bf16_flops"]
+    memory_s = (io_bytes + score_bytes) / device["hbm_bandwidth"]
+    return max(compute_s, memory_s), "compute" if compute_s >= memory_s else "memory"
+
+
+def materialised_oom_length_solution(chip_name, heads, head_dim):
+    capacity = chips.get(chip_name).per_device()["hbm_bytes"]
+
+    def live(t):                                                   # f32 scores + Q, K, V, O in bf16
+        return 4 * heads * t * t + 4 * t * heads * head_dim * 2
+
+    a, b = 4 * heads, 8 * heads * head_dim
+    t = int((-b + math.sqrt(b * b + 4 * a * capacity)) / (2 * a))
+    while live(t) > capacity:
+        t -= 1
+    while live(t) <= capacity:
+        t += 1
+    return t
+
+
+check_exercises(v6e_ridge_point_solution, flash_intensity_solution, smallest_compute_bound_block_q_solution,
+                materialised_forward_bound_solution, materialised_oom_length_solution)

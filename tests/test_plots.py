@@ -88,3 +88,70 @@ def test_bench_figures_use_the_implementation_colours():
     colours = {line.get_label().split()[0]: line.get_color() for line in ax.get_lines()}
     plt.close(fig)
     assert colours == {impl: plots.impl_colour(impl) for impl in ("xla", "blockwise")}
+
+
+def test_one_fixed_colour_per_implementation_and_stable_ones_for_new_names():
+    names = ("reference", "xla", "blockwise", "pallas", "splash")
+    built_in = {name: plots.impl_colour(name) for name in names}
+    assert built_in == plots.IMPL_COLOURS and len(set(built_in.values())) == len(built_in)
+    for name in ("ring", "sharded", "paged_decode", "mine"):
+        colour = plots.impl_colour(name)
+        assert colour in plots.EXTRA_IMPL_COLOURS and colour == plots.impl_colour(name)
+        assert colour not in built_in.values()
+
+
+def _rows_with_interpreted():
+    from tpuattn.measure.bench import TIMING_COMPILED, TIMING_INTERPRET
+
+    row = dict(status="ok", causal=True, dtype="float32")
+    compiled = [dict(row, impl=impl, mode=mode, seq_len=n, median_s=1e-3 * n, tflops=0.01,
+                     timing_kind=TIMING_COMPILED)
+                for impl in ("xla", "reference") for mode in ("fwd", "fwd+bwd") for n in (256, 512, 1024)]
+    interpreted = [dict(row, impl="pallas", mode=mode, seq_len=128, median_s=2.0, tflops=None,
+                        timing_kind=TIMING_INTERPRET) for mode in ("fwd", "fwd+bwd")]
+    return compiled + interpreted
+
+
+def test_interpret_mode_rows_never_share_a_time_axis_with_compiled_ones():
+    from tpuattn.measure.bench import BenchResults
+    from tpuattn.viz import bench as bench_figures
+
+    results = BenchResults(_rows_with_interpreted(), {"label": "cpu", "jax_version": "x"})
+    fig, (compiled_ax, interpret_ax) = plt.subplots(1, 2)
+    bench_figures.plot_time(results, compiled_ax)
+    bench_figures.plot_time(results, interpret_ax, interpret=True)
+    compiled_labels = [line.get_label() for line in compiled_ax.get_lines()]
+    interpret_labels = [line.get_label() for line in interpret_ax.get_lines()]
+    plt.close(fig)
+    assert compiled_labels and not any("interpret" in label for label in compiled_labels)
+    assert interpret_labels == ["pallas causal float32 (interpret)"]
+    assert "NOT kernel speed" in interpret_ax.get_title()
+
+    figure = bench_figures.figure(results, "time")  # one row of compiled panels, one of interpreted
+    axes = figure.get_axes()
+    assert len(axes) == 4
+    for ax in axes:
+        kinds = {"interpret" in line.get_label() for line in ax.get_lines()}
+        assert len(kinds) == 1, ax.get_title()
+    tflops = bench_figures.figure(results, "tflops")
+    assert not any("interpret" in line.get_label() for ax in tflops.get_axes() for line in ax.get_lines())
+
+
+def test_roofline_draws_measured_runs_in_their_implementation_colour_below_the_roof():
+    from matplotlib.colors import to_hex
+
+    from tpuattn.model import roofline
+    from tpuattn.viz import bench as bench_figures
+
+    chip = roofline.chip_spec("v5e")
+    fig, ax = plt.subplots()
+    bench_figures.plot_roofline(ax, chip, measured=[("splash fwd", 300.0, 100e12, "splash"),
+                                                    ("xla fwd", 40.0, 20e12, "xla")])
+    stars = {c.get_label(): to_hex(c.get_facecolor()[0]) for c in ax.collections if c.get_label().endswith(
+        "(measured)")}
+    gaps = [c for c in ax.collections if c.get_linestyle() and c.get_label().startswith("_")]
+    title = ax.get_title()
+    plt.close(fig)
+    assert stars == {"splash fwd (measured)": plots.impl_colour("splash"),
+                     "xla fwd (measured)": plots.impl_colour("xla")}
+    assert len(gaps) == 2 and "measured runs" in title

@@ -43,21 +43,34 @@ TILE_LABELS = {EMPTY: "empty: skipped", PARTIAL: "partial: masked", FULL: "full:
 STEP_COLOURS = {"fetch": "#6a4c93", "resident": "#8cc084", "idle": "#ffffff", "fetch_idle": "#d9534f"}
 
 
+# One colour per implementation in every figure (matplotlib's first five, in the built-in order of
+# tpuattn.api.IMPLEMENTATION_MODULES). Implementations added later (notebooks 06, 07, your own) get one
+# of EXTRA_IMPL_COLOURS chosen from their name, so a name has the same colour in every notebook; add an
+# entry here to pin one.
+IMPL_COLOURS = {
+    "reference": "#1f77b4",
+    "xla": "#ff7f0e",
+    "blockwise": "#2ca02c",
+    "pallas": "#d62728",
+    "splash": "#9467bd",
+}
+EXTRA_IMPL_COLOURS = ("#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+# Colours that mean something other than an implementation: the roofline itself, "does not fit".
+ROOF_COLOUR = "#000000"
+MISSING_COLOUR = "#000000"
+
+
 def impl_colour(impl: str) -> str:
-    """One colour per implementation in every figure: its place in matplotlib's cycle.
+    """The colour of implementation ``impl`` in every figure (:data:`IMPL_COLOURS`).
 
-    The place is the built-in order (:data:`tpuattn.api.IMPLEMENTATION_MODULES`), then registration
-    order, so a notebook that imports a kernel module before the others draws the same colours.
+    A name not in the table gets one of :data:`EXTRA_IMPL_COLOURS` from a hash of its name (CRC-32,
+    the same in every process), never one of the built-in implementations' colours.
     """
-    from tpuattn import api
+    if impl in IMPL_COLOURS:
+        return IMPL_COLOURS[impl]
+    import zlib
 
-    def built_in_rank(name: str) -> int:
-        module = api.get_implementation(name).fn.__module__
-        return next((rank for rank, prefix in enumerate(api.IMPLEMENTATION_MODULES)
-                     if module == prefix or module.startswith(prefix + ".")), len(api.IMPLEMENTATION_MODULES))
-
-    names = sorted(api.known_implementations(), key=built_in_rank)
-    return f"C{names.index(impl) % 10}" if impl in names else "C9"
+    return EXTRA_IMPL_COLOURS[zlib.crc32(impl.encode()) % len(EXTRA_IMPL_COLOURS)]
 
 
 def use_style() -> None:
