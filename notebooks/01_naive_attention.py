@@ -53,15 +53,16 @@ SEED = 0
 # Small problem for the checks: [batch, seq, heads, head_dim].
 BATCH, SEQ_LEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 2, 48, 4, 2, 32
 # Sequence lengths at which the reference's peak memory is measured (one child process each), with
-# MEASURE_HEADS heads of head_dim 16: the score matrix must dwarf the JAX runtime's own few hundred MiB;
-# a small head_dim keeps the arithmetic (not the scores) cheap.
-MEASURE_LENGTHS = [1536, 2048, 2560]
+# MEASURE_HEADS heads of head_dim 16: eight lengths spanning a factor 5, spaced evenly on a log axis, so
+# the slope of log(memory) against log(T) can be read; a small head_dim keeps the arithmetic cheap.
+MEASURE_LENGTHS = [512, 640, 800, 1024, 1280, 1600, 2048, 2560]
 MEASURE_HEADS = 32
 RUN_MEMORY = True
 # The model whose score matrix we size for a TPU: batch 1, 32 heads, float32 scores.
 MODEL_BATCH, MODEL_HEADS = 1, 32
 
 # %%
+import functools
 import math
 
 import jax
@@ -149,8 +150,8 @@ print("naive_attention matches the float64 NumPy version:", out.shape, out.dtype
 #
 # `jax.nn.softmax` hides a detail that every kernel in this project has to write out by hand.
 # Written straight from its definition, $\operatorname{softmax}(s)_j = e^{s_j} / \sum_l e^{s_l}$
-# overflows as soon as a logit passes about 88.72 in float32 ($\log$ of the largest float32,
-# FLT_MAX $\approx 3.40 \cdot 10^{38}$), about 709.78 in float64. Logits that large are not exotic:
+# overflows as soon as a logit passes $\log(\text{FLT\_MAX})$, the log of the largest finite float
+# (printed below for float32 and float64). Logits that large are not exotic:
 # they appear when queries and keys grow in norm during training, which is why some models cap
 # them (`softcap`, see the exercises).
 
@@ -169,6 +170,10 @@ def softmax_stable(s):
     return e / e.sum(axis=-1, keepdims=True)
 
 
+for dtype in (np.float32, np.float64):
+    largest = np.finfo(dtype).max
+    print(f"{np.dtype(dtype).name}: largest finite {largest:.3g}, exp overflows above log(max) = "
+          f"{np.log(largest):.2f}")
 logits = jnp.array([1000.0, 999.0, 998.0])
 print("exp(logits)          :", jnp.exp(logits))
 print("naive softmax        :", softmax_naive(logits))
@@ -407,13 +412,19 @@ if RUN_MEMORY:
     print(f"from T={t0} to T={t1} ({t1 / t0:.2f}x) the call's peak grew {m1 / m0:.2f}x "
           f"(T^2 grew {(t1 / t0) ** 2:.2f}x); peak / one score matrix: "
           + ", ".join(f"{m / s:.1f}" for _, m, s in measured))
+    seq, peaks = np.array([row[0] for row in measured], float), np.array([row[1] for row in measured])
+    ok = np.isfinite(peaks) & (peaks > 0)
+    slope = np.polyfit(np.log(seq[ok]), np.log(peaks[ok]), 1)[0]
+    print(f"slope of log(call peak) against log(T), least squares over {int(ok.sum())} lengths: {slope:.2f} "
+          "(a square law gives 2)")
 
 # %% [markdown]
-# The call's peak follows the score matrix: it grows with $T^2$ (the last line above sets the two
-# growths side by side). XLA fuses the softmax, so the peak is a small multiple of one score matrix
-# -- about two here: the scores and their exponentials -- rather than one copy per operation. (At
-# short lengths a reading can fall below its share: the measurement is a maximum resident size, and
-# part of a small call hides under the peak the JAX runtime reached while starting up.)
+# The call's peak follows the score matrix: it grows with $T^2$ (the lines above set the two growths
+# side by side and fit the slope on log-log axes; the left panel of the figure below draws it). XLA
+# fuses the softmax, so the peak is a small multiple of one score matrix (the ratios printed above:
+# the scores and their exponentials) rather than one copy per operation. The measurement is the
+# operating system's view of the process (its peak resident memory after a reset just before the
+# call), so a few MiB of allocator noise show at the shortest lengths.
 #
 # ### 4.2 Computed for a TPU's HBM
 #
@@ -449,67 +460,101 @@ for name, capacity in chips.items():
     print(f"TPU {name}: {capacity / GIB:5.1f} GiB HBM -> the score matrix alone stops fitting "
           f"above T = {longest_fitting(capacity):,}")
 
+# %% [markdown]
+# The figure puts both on log-log axes, where a power law $y \propto T^k$ is a straight line of slope
+# $k$. Left, the score matrix's $T^2$ is a line of slope 2, and the measured peak runs nearly parallel
+# to it (its fitted slope is printed in section 4.1; a constant overhead bends it down a little at
+# the short end). Right, each chip's HBM is a horizontal line; where the score line crosses it (the
+# verticals, labelled with the lengths printed above) the scores alone no longer fit.
+
 # %%
-fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.2))
+REFERENCE_COLOUR = style.impl_colour("reference")  # one colour per implementation, in every figure
+fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(13, 4.6))
 if measured:
     lengths, call_mib, score_mib = (np.array(col) for col in zip(*measured, strict=True))
-    ax_m.plot(lengths, call_mib, "o-", label="reference forward: call peak (measured)")
-    ax_m.plot(lengths, score_mib, "s--", label="one float32 score matrix (computed)")
-    ax_m.set_xticks(lengths)
-    ax_m.set_ylim(bottom=0)
-    ax_m.legend()
+    ax_m.plot(lengths, call_mib, "o-", color=REFERENCE_COLOUR,
+              label=f"reference forward, call peak ({style.backend_label(measured=True)})")
+    ax_m.plot(lengths, score_mib, "s:", color=REFERENCE_COLOUR, alpha=0.6,
+              label="one float32 score matrix, 4 * heads * T^2 bytes (computed)")
+    ax_m.set_xscale("log", base=2)
+    ax_m.set_yscale("log", base=2)
+    ax_m.set_xticks(lengths, [str(t) for t in lengths], rotation=45)
+    ax_m.minorticks_off()
+    ax_m.legend(fontsize=8)
 else:
     ax_m.text(0.5, 0.5, "RUN_MEMORY = False", ha="center", transform=ax_m.transAxes)
-ax_m.set_xlabel("sequence length T")
-ax_m.set_ylabel("MiB")
+ax_m.set_xlabel("sequence length T (log scale)")
+ax_m.set_ylabel("MiB (log scale)")
 ax_m.set_title(style.labelled(f"Peak memory of naive attention, batch 1 x {MEASURE_HEADS} heads x d 16",
                               measured=True))
 
 t = np.logspace(np.log2(1024), np.log2(262144), 60, base=2)
-ax_t.plot(t, scores_bytes(t) / GIB, label=f"scores, batch {MODEL_BATCH} x {MODEL_HEADS} heads, float32")
+ax_t.plot(t, scores_bytes(t) / GIB, color=REFERENCE_COLOUR,
+          label=f"reference: float32 scores, batch {MODEL_BATCH} x {MODEL_HEADS} heads (slope 2)")
 for (name, capacity), line in zip(chips.items(), (":", "--", "-."), strict=True):
-    ax_t.axhline(capacity / GIB, color="gray", linestyle=line,
-                 label=f"TPU {name} HBM ({capacity / GIB:.0f} GiB)")
-    ax_t.axvline(longest_fitting(capacity), color="gray", linestyle=line, alpha=0.5)
+    crossover = longest_fitting(capacity)
+    ax_t.axhline(capacity / GIB, color="grey", linestyle=line,
+                 label=f"TPU {name} HBM ({capacity / GIB:.1f} GiB)")
+    ax_t.axvline(crossover, color="grey", linestyle=line, alpha=0.6)
+    ax_t.annotate(f"{name}: T = {crossover:,}", (crossover, capacity / GIB), xytext=(4, -14),
+                  textcoords="offset points", fontsize=8, rotation=90, va="top")
 ax_t.set_xscale("log", base=2)
 ax_t.set_yscale("log", base=2)
-ax_t.set_xlabel("sequence length T")
-ax_t.set_ylabel("GiB")
-ax_t.set_title(style.labelled("Score matrix vs one chip's HBM", measured=False, chip="TPU v5e / v6e / v5p"))
-ax_t.legend(fontsize=8)
+ax_t.set_xlabel("sequence length T (log scale)")
+ax_t.set_ylabel("GiB (log scale)")
+ax_t.set_title(style.labelled("Score matrix vs one chip's HBM (tpuattn.chips)", measured=False,
+                              chip="TPU v5e / v6e / v5p"))
+ax_t.legend(fontsize=8, loc="upper left")
+fig.tight_layout()
 style.save_figure(fig, "01_memory")
 plt.show()
 
 # %% [markdown]
+# ## Takeaways
+#
 # > **Takeaway.** Attention is `softmax(s * q k^T) v`; everything else in this project computes
 # > exactly that, to within float32 rounding of this notebook's float64 version.
 #
-# > **Takeaway.** Always subtract the row max before `exp`: float32 overflows at logits above ~88.
+# > **Takeaway.** Always subtract the row max before `exp`: float32 overflows at logits above 88.72.
 # > A row that sees no key must give zeros, which takes one more guard (max of nothing is `-inf`).
 #
 # > **Takeaway.** Masks are positions compared with positions. Here causal is aligned bottom-right
 # > (query `i` sits at key `i + kv_len - q_len`), unlike `jax.nn.dot_product_attention`'s top-left;
 # > the two agree only when `q_len == kv_len`.
 #
-# > **Takeaway.** The score matrix costs $4BHT^2$ bytes: at batch 1 and 32 heads it outgrows a v5e's
-# > 16 GiB at about T = 11.6k and a v5p's 95 GB at about 27k, before a single weight is stored.
-# > Notebook 02 computes the same result without ever storing it.
+# > **Takeaway.** The score matrix costs $4BHT^2$ bytes, a line of slope 2 on log-log axes: at batch 1
+# > and 32 heads it outgrows a v5e's 16.0 GiB above T = 11,592 and a v5p's 95.9 GiB above T = 28,367
+# > (printed in section 4.2), before a single weight is stored. Notebook 02 computes the same result
+# > without ever storing it.
 #
 # ## Exercises
 #
-# Each stub raises `NotImplementedError`; fill it in and re-run its cell. Solutions are at the end.
+# Each stub raises `NotImplementedError`; fill it in and re-run the cell, which calls
+# `check_exercises` with your functions. Worked solutions are in the hidden cell at the end of the
+# notebook, which runs the same checks on them. Easier first:
 #
-# 1. **Softcap.** Gemma-style models replace each logit $s$ by $c \tanh(s / c)$ so it never exceeds
-#    $c$. Write `softcapped_attention(q, k, v, cap)` (no masks, equal head counts); it is checked
-#    against `tpuattn.attention(..., softcap=cap)`.
-# 2. **Decoding.** Write `decode_visible(kv_len, window)`: the boolean `[kv_len]` row of keys a
-#    single new query sees with `causal=True` and a left window `window` (bottom-right alignment).
-# 3. **Budget.** Using `scores_bytes`, find the largest batch for which float32 scores of 32 heads at
-#    T = 4096 fit in half of a v6e's HBM.
+# 1. **Budget** (★☆☆, 5 min). Using `scores_bytes`, write `largest_batch()`: the largest batch for
+#    which float32 scores of 32 heads at T = 4096 fit in half of a v6e's HBM.
+# 2. **Decoding** (★☆☆, 10 min). Write `decode_visible(kv_len, window)`: the boolean `[kv_len]` row
+#    of keys a single new query sees with `causal=True` and a left window `window` (bottom-right
+#    alignment). Checked against `numpy_mask`.
+# 3. **Softcap** (★★☆, 10 min). Gemma-style models replace each logit $s$ by $c \tanh(s / c)$ so it
+#    never exceeds $c$. Change `naive_attention` into `softcapped_attention(q, k, v, cap)` (no masks,
+#    equal head counts); it is checked against `tpuattn.attention(..., softcap=cap)`.
+# 4. **Rows that see nothing** (★★☆, 15 min). Write `masked_attention(q, k, v, visible)` in JAX for a
+#    boolean `visible[batch, q_len, kv_len]` (the same for every head, equal head counts): the stable
+#    softmax of section 2 over the visible keys only, zeros for a row that sees no key -- and no NaN
+#    in its gradient either. Checked against `numpy_attention` on a causal `q_len > kv_len` case and a
+#    segment case with blind rows, and `jax.grad` of it must be finite and zero for blind rows.
+# 5. **GQA without copies** (★★★, 20 min). Write `grouped_attention(q, k, v)` for `num_q_heads` a
+#    multiple of `num_kv_heads` (no mask) *without* repeating K or V: reshape the query heads into
+#    `(kv_heads, group)` so one `einsum` serves the whole group. Checked against
+#    `tpuattn.attention(..., impl="reference")`, and the traced program (its jaxpr) must hold no array
+#    larger than K that has K's sequence and head dimensions -- which a `jnp.repeat(k, ...)` would.
 
 
 # %%
-def softcapped_attention(q, k, v, cap):
+def largest_batch():
     raise NotImplementedError("FILL ME IN")
 
 
@@ -517,21 +562,27 @@ def decode_visible(kv_len, window):
     raise NotImplementedError("FILL ME IN")
 
 
-def largest_batch():
+def softcapped_attention(q, k, v, cap):
     raise NotImplementedError("FILL ME IN")
 
 
-def check_exercises():
-    q, k, v = (jnp.asarray(x) for x in random_qkv(scale=3.0))
-    checks = {
-        "1 softcap": lambda: np.testing.assert_allclose(
-            softcapped_attention(q, k, v, 20.0), tpuattn.attention(q, k, v, softcap=20.0, impl="reference"),
-            atol=2e-5, rtol=2e-5),
-        "2 decoding": lambda: np.testing.assert_array_equal(
-            decode_visible(10, 3), numpy_mask(1, 10, causal=True, window=(3, 0))[0]),
-        "3 budget": lambda: assert_budget(largest_batch()),
-    }
-    run_checks(checks)
+def masked_attention(q, k, v, visible):
+    raise NotImplementedError("FILL ME IN")
+
+
+def grouped_attention(q, k, v):
+    raise NotImplementedError("FILL ME IN")
+
+
+def _avals(jaxpr):
+    """Every intermediate's abstract value in a jaxpr, nested jaxprs (jit, custom_jvp) included."""
+    for eqn in jaxpr.eqns:
+        yield from (var.aval for var in eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _avals(inner)
 
 
 def assert_budget(batch):
@@ -539,27 +590,54 @@ def assert_budget(batch):
     assert scores_bytes(4096, batch=batch) <= half < scores_bytes(4096, batch=batch + 1), batch
 
 
-check_exercises()
+def check_masked(masked_attention):
+    q_seg = np.sort(rng.integers(0, 4, (BATCH, SEQ_LEN)), axis=1)
+    kv_seg = np.minimum(q_seg, 2)  # queries of segment 3 see no key
+    for q_len, kv_len, seg in ((SEQ_LEN, 16, None), (SEQ_LEN, SEQ_LEN, (q_seg, kv_seg))):
+        q, k, v = (jnp.asarray(x) for x in random_qkv(q_len, kv_len))
+        visible = np.stack([numpy_mask(q_len, kv_len, causal=True, q_seg=None if seg is None else seg[0][b],
+                                       kv_seg=None if seg is None else seg[1][b]) for b in range(BATCH)])
+        out = masked_attention(q, k, v, jnp.asarray(visible))
+        np.testing.assert_allclose(out, numpy_attention(q, k, v, visible), atol=2e-5, rtol=2e-5)
+        loss = functools.partial(lambda q, k, v, visible: masked_attention(q, k, v, visible).sum(),
+                                 k=k, v=v, visible=jnp.asarray(visible))
+        d_q = jax.grad(loss)(q)
+        blind = ~visible.any(axis=2)  # [batch, q_len]
+        assert blind.any() and np.isfinite(np.asarray(d_q)).all(), "NaN in the gradient"
+        assert np.all(np.asarray(d_q)[blind] == 0.0), "a row that sees nothing must have a zero gradient"
 
-# %% [markdown]
-# <details><summary>Solutions</summary>
-#
-# ```python
-# def softcapped_attention(q, k, v, cap):
-#     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / math.sqrt(q.shape[-1])
-#     s = cap * jnp.tanh(s / cap)            # after scaling, before the softmax (and masks)
-#     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
-#
-# def decode_visible(kv_len, window):
-#     pos = kv_len - 1                       # one query: p_0 = 0 + kv_len - 1
-#     j = np.arange(kv_len)
-#     return (j <= pos) & (j >= pos - window)
-#
-# def largest_batch():
-#     half = chips["v6e"] / 2                # 32 GiB / 2 = 17.2e9 bytes
-#     return int(half // scores_bytes(4096, batch=1))   # 2 GiB (2.15e9 bytes) per sequence -> 8
-# ```
-# </details>
+
+def check_grouped(grouped_attention):
+    q, k, v = (jnp.asarray(x) for x in random_qkv(q_len=16, kv_len=SEQ_LEN, heads=NUM_HEADS,
+                                                    kv_heads=NUM_KV_HEADS))
+    np.testing.assert_allclose(grouped_attention(q, k, v), tpuattn.attention(q, k, v, impl="reference"),
+                               atol=2e-5, rtol=2e-5)
+    for aval in _avals(jax.make_jaxpr(grouped_attention)(q, k, v).jaxpr):
+        shape = getattr(aval, "shape", ())
+        assert not (math.prod(shape) > k.size and SEQ_LEN in shape and HEAD_DIM in shape), (
+            f"an array of shape {shape} (larger than K {k.shape}): K or V repeated per query head?")
+
+
+def check_exercises(*, largest_batch, decode_visible, softcapped_attention, masked_attention,
+                    grouped_attention):
+    """Run the five checks on the functions given (the stubs above, or the solutions at the end)."""
+    q, k, v = (jnp.asarray(x) for x in random_qkv(scale=3.0))
+    checks = {
+        "1 budget": lambda: assert_budget(largest_batch()),
+        "2 decoding": lambda: np.testing.assert_array_equal(
+            decode_visible(10, 3), numpy_mask(1, 10, causal=True, window=(3, 0))[0]),
+        "3 softcap": lambda: np.testing.assert_allclose(
+            softcapped_attention(q, k, v, 20.0), tpuattn.attention(q, k, v, softcap=20.0, impl="reference"),
+            atol=2e-5, rtol=2e-5),
+        "4 rows that see nothing": lambda: check_masked(masked_attention),
+        "5 GQA without copies": lambda: check_grouped(grouped_attention),
+    }
+    return run_checks(checks, hint="see the exercise text above the stubs")
+
+
+progress = check_exercises(largest_batch=largest_batch, decode_visible=decode_visible,
+                           softcapped_attention=softcapped_attention, masked_attention=masked_attention,
+                           grouped_attention=grouped_attention)
 
 # %% [markdown]
 # ## References
@@ -577,3 +655,51 @@ check_exercises()
 #   arXiv:2408.00118 (logit soft-capping).
 # - A. Zhang, "Forcing Flash Attention onto a TPU and Learning the Hard Way", 2026,
 #   https://archerzhang.me/forcing-flash-attention-onto-a-tpu -- the write-up this collection answers.
+
+# %% [markdown]
+# ## Solutions
+
+# %% jupyter={"source_hidden": true} tags=["solution", "hide-input"]
+def largest_batch():
+    half = chips["v6e"] / 2  # 32 GiB / 2
+    return int(half // scores_bytes(4096, batch=1))  # 2 GiB of scores per sequence
+
+
+def decode_visible(kv_len, window):
+    pos = kv_len - 1  # one query: p_0 = 0 + kv_len - 1, the last key
+    j = np.arange(kv_len)
+    return (j <= pos) & (j >= pos - window)
+
+
+def softcapped_attention(q, k, v, cap):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / math.sqrt(q.shape[-1])
+    s = cap * jnp.tanh(s / cap)  # after scaling, before the softmax (and before any mask)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+
+
+def masked_attention(q, k, v, visible):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / math.sqrt(q.shape[-1])
+    keep = jnp.asarray(visible)[:, None]  # [batch, 1, q_len, kv_len]: the same mask for every head
+    s = jnp.where(keep, s, -jnp.inf)
+    m = jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))  # the softmax does not depend on it
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row that sees nothing has max -inf: shift by 0
+    p = jnp.where(keep, jnp.exp(s - m), 0.0)  # exp(-inf) = 0: finite values and gradients
+    total = p.sum(axis=-1, keepdims=True)
+    p = p / jnp.where(total > 0, total, 1.0)  # blind rows: 0 / 1 = 0
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
+
+
+def grouped_attention(q, k, v):
+    b, q_len, heads, d = q.shape
+    kv_heads = k.shape[2]
+    # Query head h = kv_head * group + member, so it reads kv head h // group: split the head axis.
+    q_grouped = q.reshape(b, q_len, kv_heads, heads // kv_heads, d)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q_grouped, k, precision="highest") / math.sqrt(d)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+    return out.reshape(b, q_len, heads, d)
+
+
+done = check_exercises(largest_batch=largest_batch, decode_visible=decode_visible,
+                       softcapped_attention=softcapped_attention, masked_attention=masked_attention,
+                       grouped_attention=grouped_attention)
+assert all(done.values()), done

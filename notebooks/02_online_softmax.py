@@ -43,6 +43,7 @@ if "google.colab" in sys.modules:
 
 # %% tags=["nbval-ignore-output"]
 import tpuattn
+from tpuattn.exercises import run_checks
 from tpuattn.measure import runtime
 
 PLATFORM = runtime.info()
@@ -60,8 +61,13 @@ LOOP_LEN, LOOP_HEADS, LOOP_BLOCK_Q, LOOP_BLOCK_KV, LOOP_REPEATS = 2048, 4, 128, 
 RUN_TIMING = True
 # Section 5: peak memory (child-process max RSS) at these lengths, 4 heads of 64, float32.
 # (The child resets its peak just before the call, so small lengths are visible too; try up to 8192.)
-MEMORY_LENGTHS = [1024, 2048]
+MEMORY_LENGTHS = [512, 1024, 2048, 4096]
 RUN_MEMORY = True
+# Section 6: HBM traffic per FLOP on a TPU (modelled, nothing runs): batch, heads, head_dim of a
+# bfloat16 problem without a mask, the lengths to tabulate, the query block of the blockwise schedule.
+IO_BATCH, IO_HEADS, IO_HEAD_DIM = 1, 8, 128
+IO_LENGTHS = (2048, 8192, 32768)
+IO_BLOCK_Q = 512
 
 # %%
 import inspect
@@ -314,12 +320,120 @@ if RUN_MEMORY:
     plt.show()
 
 # %% [markdown]
-# At short lengths both numbers are dominated by compilation and the runtime (a few hundred MiB);
-# from a few thousand tokens the reference's quadratic score matrix takes over while blockwise grows
-# linearly. `benchmarks/blockwise_vs_reference.py` extends this to 16384 tokens and adds wall time against
-# `jax.nn.dot_product_attention`.
+# At the shortest length the two are within a small factor (the `ratio` column): buffers other than
+# the scores -- compiled code, inputs, outputs -- weigh as much as the scores there. Each doubling of the
+# length then quadruples the reference's score matrix while blockwise grows linearly, so the ratio
+# falls with every row (on log-log axes the two lines separate with slopes near 2 and 1: the grey
+# guides). `benchmarks/blockwise_vs_reference.py` extends this to 16384 tokens and adds wall time
+# against `jax.nn.dot_product_attention`.
 
 # %% [markdown]
+# ## 6. What the blocks buy on a TPU: bytes per FLOP
+#
+# Memory capacity is the first argument for the online softmax; on a TPU the second matters as much:
+# **HBM traffic**. A TPU core computes from VMEM, and everything it reads or writes in HBM crosses a
+# link with a fixed bandwidth. A program's *arithmetic intensity* -- FLOPs per byte moved to or from
+# HBM -- decides which limit binds: below the chip's **ridge point** (peak FLOP/s divided by HBM
+# bandwidth) it is memory bound, above it compute bound (Williams, Waterman & Patterson's roofline).
+#
+# Count both schedules for one forward pass of `[IO_BATCH, T, IO_HEADS, IO_HEAD_DIM]` bfloat16 inputs,
+# no mask:
+#
+# - **FLOPs**, the same for both: two matmuls of $T \times T \times d$ multiply-adds per head,
+#   $4 B H T^2 d$.
+# - **Materialised** (`impl="reference"` as XLA:TPU runs it): read Q, K, V, write O, and the float32
+#   score matrix written once and read back twice -- for the row sums, and for the normalised $PV$
+#   matmul. Those passes are the package's own account of XLA's fused graph,
+#   `tpuattn.model.roofline.MATERIALISED_FWD_PASSES`, so this cell reads the bytes per score from it.
+# - **Blockwise** (the flash schedule of notebook 03): Q read and O written once; K and V read once
+#   per query block, $T / \text{block}_q$ times. No score ever reaches HBM.
+#
+# The chip numbers (peak bfloat16 FLOP/s, HBM bandwidth, per JAX device) come from `tpuattn.chips`,
+# which copies JAX's own table; it agrees with Google Cloud's TPU pages
+# (https://cloud.google.com/tpu/docs/v5e, https://cloud.google.com/tpu/docs/v6e, ...).
+
+# %%
+from tpuattn import chips
+from tpuattn.model import roofline
+
+BF16 = 2  # bytes per element of Q, K, V and O
+SCORE_BYTES = sum(per(BF16) for _, per in roofline.MATERIALISED_FWD_PASSES)  # f32 S: 1 write + 2 reads
+GB = 1e9
+
+
+def forward_flops(seq):
+    return 4 * IO_BATCH * IO_HEADS * seq * seq * IO_HEAD_DIM
+
+
+def tensor_bytes(seq):
+    """Bytes of one of Q, K, V, O."""
+    return IO_BATCH * IO_HEADS * seq * IO_HEAD_DIM * BF16
+
+
+def materialised_bytes(seq):
+    return 4 * tensor_bytes(seq) + SCORE_BYTES * IO_BATCH * IO_HEADS * seq * seq
+
+
+def blockwise_bytes(seq, block_q=IO_BLOCK_Q):
+    q_blocks = seq // block_q
+    return 2 * tensor_bytes(seq) + q_blocks * 2 * tensor_bytes(seq)  # Q, O once; K, V per q block
+
+
+# The same counts as the package's roofline model, which the compile stage holds to the TPU compiler.
+for seq in IO_LENGTHS:
+    spec = roofline.problem(seq, batch=IO_BATCH, heads=IO_HEADS, head_dim=IO_HEAD_DIM)
+    assert roofline.cost("reference", spec).hbm_bytes == materialised_bytes(seq)
+    flash = dict(roofline.cost("pallas", spec, q_block=IO_BLOCK_Q, kv_block=IO_BLOCK_Q).breakdown)
+    tiles_only = sum(flash[key] for key in ("read Q (once per q block)", "read K, V (once per visited tile)",
+                                            "write O"))
+    assert tiles_only == blockwise_bytes(seq)
+
+print("per JAX device (a chip on v4, v5p; one TensorCore elsewhere), bfloat16; tpuattn.chips: JAX's table")
+print(f"{'chip':<6} {'peak TFLOP/s':>12} {'HBM GB/s':>9} {'ridge FLOP/byte':>16}")
+for name in chips.NAMES:
+    chip = roofline.chip_spec(name)
+    print(f"{name:<6} {chip.bf16_flops / 1e12:12.0f} {chip.hbm_bandwidth / GB:9.0f} "
+          f"{chip.ridge_point():16.0f}")
+print()
+print(f"forward, batch {IO_BATCH}, {IO_HEADS} heads, head_dim {IO_HEAD_DIM}, bfloat16, no mask (modelled); "
+      f"score bytes per element moved by the materialised schedule: {SCORE_BYTES}")
+print(f"{'T':>6} {'GFLOP':>8} | {'materialised GB':>15} {'FLOP/byte':>9} | "
+      f"{f'blockwise (block_q {IO_BLOCK_Q}) GB':>28} {'FLOP/byte':>9} | {'bytes saved':>11}")
+for seq in IO_LENGTHS:
+    flops, mat, blk = forward_flops(seq), materialised_bytes(seq), blockwise_bytes(seq)
+    print(f"{seq:>6} {flops / GB:8.0f} | {mat / GB:15.2f} {flops / mat:9.1f} | {blk / GB:28.3f} "
+          f"{flops / blk:9.1f} | {mat / blk:10.0f}x")
+print(f"as T grows: materialised -> 4 d / {SCORE_BYTES} = {4 * IO_HEAD_DIM / SCORE_BYTES:.1f} FLOP/byte; "
+      f"blockwise -> 2 block_q / {BF16} bytes = {2 * IO_BLOCK_Q / BF16:.0f} FLOP/byte")
+print()
+print("roofline lower bound max(FLOPs / peak, bytes / bandwidth), forward (modelled)")
+for name in ("v5e", "v6e"):
+    chip = roofline.chip_spec(name)
+    for seq in IO_LENGTHS:
+        row = []
+        for schedule, moved in (("materialised", materialised_bytes(seq)),
+                                ("blockwise", blockwise_bytes(seq))):
+            compute_s, memory_s = forward_flops(seq) / chip.bf16_flops, moved / chip.hbm_bandwidth
+            bound = "memory" if memory_s > compute_s else "compute"
+            row.append(f"{schedule} {max(compute_s, memory_s) * 1e3:8.2f} ms ({bound} bound)")
+        print(f"  {name} T={seq:>6}: " + ";  ".join(row))
+
+# %% [markdown]
+# Read the intensities against the ridge points. The materialised schedule's intensity is stuck near
+# $4d / 12$ -- 42.7 FLOP/byte at head_dim 128, however long the sequence -- below the ridge point of
+# every chip in the table (the lowest, v2's, is 64): it is memory bound everywhere, and the score
+# matrix's trips through HBM, not the arithmetic, set its time. The blockwise schedule's intensity
+# grows towards $2\,\text{block}_q / 2$ bytes $= \text{block}_q$, 512 FLOP/byte here: above a v5e's ridge
+# point (240), so on a v5e it is compute bound, and at 8192 tokens its lower bound is 1.40 ms against
+# the materialised schedule's 7.94 ms. A v6e's ridge point (561) is higher than 512, so there even the
+# blockwise schedule is memory bound with 512-row query blocks: a larger query block moves it over
+# (notebook 03 prints the blocks the package picks per chip). A causal mask halves the FLOPs and the
+# score bytes alike, so the intensities barely move. This is the IO argument of FlashAttention
+# (Dao et al., 2022): the point is not only that the scores fit, but that they never cross the HBM link.
+
+# %% [markdown]
+# ## Takeaways
+#
 # > **Takeaway.** The online softmax carries three things per query row (running max, running sum,
 # > accumulator) and rescales them by $e^{m_{old} - m_{new}}$ when the max grows. That makes attention
 # > a loop over key blocks with memory linear in the sequence length, exact up to float rounding.
@@ -331,19 +445,39 @@ if RUN_MEMORY:
 # > `parallel` grid axis), not as a sequential loop: the loop serialises work the hardware could
 # > overlap (45x on a TPU v5e in the write-up; much less on a 2-core CPU).
 #
+# > **Takeaway.** On a TPU the blocks buy HBM traffic: materialised attention moves ~12 bytes per
+# > score and stays near $d/3$ FLOP/byte, below every chip's ridge point; the blockwise schedule
+# > moves only Q, K, V and O (K and V once per query block) and reaches ~block_q FLOP/byte.
+#
 # > **Takeaway.** The backward pass needs only the log-sum-exp per row: recompute each tile's
 # > probabilities instead of storing them, and the training step keeps linear memory too.
 
 # %% [markdown]
 # ## Exercises
 #
-# **1. Merge two partial softmax states.** Two workers each processed half of the keys for the same
-# query rows and hold `(m1, l1, acc1)` and `(m2, l2, acc2)`. Write `merge_states` returning the state
-# for all keys (this is how split-KV "flash decoding" combines its pieces).
+# Each stub raises `NotImplementedError`; fill it in and re-run the two cells below it (the second calls
+# `check_exercises` with your functions). Worked solutions are in the hidden cell at the end of the
+# notebook, which runs the same checks on them. Easier first:
 #
-# **2. Count the tiles of a sliding window.** For a causal mask with window `(w, 0)`, `q_len = kv_len
-# = L` and square blocks `b` dividing `L` and `w`, how many tiles does the schedule run? Write
-# `window_tiles(L, b, w)` and compare with `blockwise.visited_tiles`.
+# **1. Merge two partial softmax states** (★☆☆, 10 min). Two workers each processed part of the keys
+# for the same query row and hold `(m1, l1, acc1)` and `(m2, l2, acc2)` (section 1's running max, sum
+# and accumulator). Write `merge_states` returning the state for all keys. Checked against
+# `online_softmax` over the whole row.
+#
+# **2. Count the tiles of a sliding window** (★★☆, 15 min). For a causal mask with window `(w, 0)`,
+# `q_len = kv_len = L` and square blocks `b` dividing `L` and `w`, how many tiles does the schedule
+# run? Write `window_tiles(L, b, w)`; checked against `blockwise.visited_tiles`.
+#
+# **3. Merge attention over disjoint key sets** (★★★, 20 min). Ring attention (each device holds one
+# slice of the keys and passes it on) and split-K decoding (the cache split across cores) compute
+# attention over each key subset separately, as a normalised output and its log-sum-exp, then merge.
+# Write `merge_attention(out_a, lse_a, out_b, lse_b)` returning `(out, lse)` over the union, for
+# `out_*` of shape `[batch, q_len, heads, head_dim]` and `lse_*` of shape `[batch, heads, q_len]`.
+# `partial_attention` below makes the inputs; a row that sees no key of a subset has `out = 0` and
+# `lse = -inf`. Checked against `tpuattn.attention(..., impl="reference")` over all the keys, with a
+# causal mask that leaves some rows empty in one subset and some empty in both (they must give zeros,
+# not NaN).
+
 
 # %%
 def merge_states(m1, l1, acc1, m2, l2, acc2):
@@ -356,47 +490,75 @@ def window_tiles(seq_len, block, window):
     raise NotImplementedError("FILL ME IN")
 
 
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Return (out, lse) of attention over the union of two disjoint key sets. FILL ME IN."""
+    raise NotImplementedError("FILL ME IN")
+
+
 # %%
-def check_exercises():
+def partial_attention(q, k, v, visible):
+    """Attention of q over the keys given, with a bool [q_len, kv_len] mask: (out, lse).
+
+    out: [batch, q_len, heads, head_dim], normalised over the visible keys given; lse: [batch, heads,
+    q_len], their log-sum-exp. A row that sees none of these keys: out 0, lse -inf.
+    """
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(q.shape[-1])
+    s = jnp.where(visible, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest"), lse
+
+
+def check_merge_states(merge_states):
     s_row, v_rows = rng.standard_normal(64) * 5, rng.standard_normal((64, 4))
-    try:
-        def state(s_part, v_part):
-            m = s_part.max()
-            p = np.exp(s_part - m)
-            return m, p.sum(), p @ v_part
 
-        m, denom, acc = merge_states(*state(s_row[:20], v_rows[:20]), *state(s_row[20:], v_rows[20:]))
-        np.testing.assert_allclose(acc / denom, online_softmax(s_row, v_rows, 64)[0], rtol=1e-12)
-        print("exercise 1: correct")
-    except NotImplementedError:
-        print("exercise 1: not done yet (hint: rescale both accumulators to max(m1, m2))")
-    try:
-        for seq_len, block, window in ((1024, 64, 128), (2048, 128, 512)):
-            mask = MaskSpec(q_len=seq_len, kv_len=seq_len, causal=True, window=(window, 0))
-            assert window_tiles(seq_len, block, window) == blockwise.visited_tiles(
-                blockwise.schedule(mask, block, block))
-        print("exercise 2: correct")
-    except NotImplementedError:
-        print("exercise 2: not done yet (hint: each query block sees its diagonal tile and w/b more)")
+    def state(s_part, v_part):
+        m = s_part.max()
+        p = np.exp(s_part - m)
+        return m, p.sum(), p @ v_part
+
+    m, denom, acc = merge_states(*state(s_row[:20], v_rows[:20]), *state(s_row[20:], v_rows[20:]))
+    np.testing.assert_allclose(acc / denom, online_softmax(s_row, v_rows, 64)[0], rtol=1e-12)
 
 
-check_exercises()
+def check_window_tiles(window_tiles):
+    for seq_len, block, window in ((1024, 64, 128), (2048, 128, 512)):
+        mask = MaskSpec(q_len=seq_len, kv_len=seq_len, causal=True, window=(window, 0))
+        assert window_tiles(seq_len, block, window) == blockwise.visited_tiles(
+            blockwise.schedule(mask, block, block))
 
-# %% [markdown]
-# <details><summary>Solutions</summary>
-#
-# ```python
-# def merge_states(m1, l1, acc1, m2, l2, acc2):
-#     m = np.maximum(m1, m2)
-#     a1, a2 = np.exp(m1 - m), np.exp(m2 - m)
-#     return m, a1 * l1 + a2 * l2, a1 * acc1 + a2 * acc2
-#
-# def window_tiles(seq_len, block, window):
-#     n, extra = seq_len // block, window // block
-#     # query block i sees key blocks max(0, i - extra) .. i
-#     return sum(min(i, extra) + 1 for i in range(n))
-# ```
-# </details>
+
+def check_merge_attention(merge_attention):
+    # (q_len, kv_len, causal, split): unmasked; causal, rows before the split see nothing of part b;
+    # q_len > kv_len, causal (bottom-right): the first 80 rows see no key at all.
+    for q_len, kv_len, causal, split in ((Q_LEN, KV_LEN, False, 72), (Q_LEN, KV_LEN, True, 120),
+                                         (Q_LEN, 120, True, 50)):
+        q, k, v = (jnp.asarray(rng.standard_normal((BATCH, n, NUM_HEADS, HEAD_DIM)), jnp.float32)
+                   for n in (q_len, kv_len, kv_len))
+        visible = np.ones((q_len, kv_len), bool)
+        if causal:
+            visible = np.broadcast_to(MaskSpec(q_len=q_len, kv_len=kv_len, causal=True).visible(
+                np.arange(q_len)[:, None], np.arange(kv_len)[None, :]), (q_len, kv_len))
+        part_a = partial_attention(q, k[:, :split], v[:, :split], visible[:, :split])
+        part_b = partial_attention(q, k[:, split:], v[:, split:], visible[:, split:])
+        out, lse = merge_attention(*part_a, *part_b)
+        want = tpuattn.attention(q, k, v, causal=causal, impl="reference")
+        assert np.isfinite(np.asarray(out)).all(), "NaN or inf in the merged output"
+        # float32 both ways, a different order of additions: 2e-5 as the suite.
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(lse, partial_attention(q, k, v, visible)[1], atol=2e-5, rtol=2e-5)
+
+
+def check_exercises(*, merge_states, window_tiles, merge_attention):
+    """Run the three checks on the functions given (the stubs above, or the solutions at the end)."""
+    return run_checks({"1 merge states": lambda: check_merge_states(merge_states),
+                       "2 window tiles": lambda: check_window_tiles(window_tiles),
+                       "3 merge attention": lambda: check_merge_attention(merge_attention)},
+                      hint="see the exercise text above the stubs")
+
+
+progress = check_exercises(merge_states=merge_states, window_tiles=window_tiles,
+                           merge_attention=merge_attention)
 
 # %% [markdown]
 # ## References
@@ -409,7 +571,38 @@ check_exercises()
 #   2022, arXiv:2205.14135; T. Dao, "FlashAttention-2", 2023, arXiv:2307.08691.
 # - JAX, `jax.lax.fori_loop`, `jax.vmap`: https://docs.jax.dev/en/latest/jax.lax.html,
 #   https://docs.jax.dev/en/latest/_autosummary/jax.vmap.html.
-# - Google Cloud, TPU v5e (four MXUs per TensorCore): https://cloud.google.com/tpu/docs/v5e;
+# - S. Williams, A. Waterman, D. Patterson, "Roofline: An Insightful Visual Performance Model for
+#   Multicore Architectures", Communications of the ACM 52(4), 2009 (arithmetic intensity, ridge point).
+# - Google Cloud, TPU v5e (four MXUs per TensorCore; peak bf16 FLOP/s, HBM bandwidth):
+#   https://cloud.google.com/tpu/docs/v5e; TPU v6e: https://cloud.google.com/tpu/docs/v6e; the
+#   numbers used here are JAX's own table, `tpuattn.chips`;
 #   J. Austin et al., "How to Scale Your Model", https://jax-ml.github.io/scaling-book/tpus/.
 # - A. Zhang, "Forcing Flash Attention onto a TPU and Learning the Hard Way", 2026,
 #   https://archerzhang.me/forcing-flash-attention-onto-a-tpu -- the fori_loop and vmap timings.
+
+# %% [markdown]
+# ## Solutions
+
+# %% jupyter={"source_hidden": true} tags=["solution", "hide-input"]
+def merge_states(m1, l1, acc1, m2, l2, acc2):
+    m = np.maximum(m1, m2)
+    a1, a2 = np.exp(m1 - m), np.exp(m2 - m)  # rescale both to the common max, as in section 1
+    return m, a1 * l1 + a2 * l2, a1 * acc1 + a2 * acc2
+
+
+def window_tiles(seq_len, block, window):
+    n, extra = seq_len // block, window // block
+    # query block i sees key blocks max(0, i - extra) .. i
+    return sum(min(i, extra) + 1 for i in range(n))
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    lse = jnp.logaddexp(lse_a, lse_b)  # log(e^lse_a + e^lse_b): the union's normaliser
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row empty in both parts: -inf - -inf would be NaN
+    # exp(lse_x - lse) is the share of part x in the union's softmax (0 for an empty part).
+    weight_a, weight_b = (jnp.swapaxes(jnp.exp(x - safe), 1, 2)[..., None] for x in (lse_a, lse_b))
+    return weight_a * out_a + weight_b * out_b, lse
+
+
+done = check_exercises(merge_states=merge_states, window_tiles=window_tiles, merge_attention=merge_attention)
+assert all(done.values()), done
