@@ -1,5 +1,7 @@
 """tpuattn: attention on TPUs, from naive to a Pallas kernel, behind one contract."""
 
+# Beyond one call on one chip: attention over a device mesh, and decode over a KV cache.
+from tpuattn import decode, parallel
 from tpuattn.api import (
     attention,
     choose,
@@ -20,10 +22,12 @@ __all__ = [
     "attention",
     "choose",
     "choose_implementation",
+    "decode",
     "implementations",
     "known_implementations",
     "make_spec",
+    "parallel",
     "register",
     "spec_from_shapes",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

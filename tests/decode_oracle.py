@@ -1,0 +1,82 @@
+"""An independent float64 NumPy oracle for decode over a KV cache (imports nothing from tpuattn).
+
+Written from the contract's text: sequence ``b`` holds ``lengths[b]`` valid positions; position ``j`` is,
+for a paged cache, row ``j % page_size`` of page ``page_table[b, j // page_size]``. Query ``t`` of
+``q_len`` sits at position ``lengths[b] - q_len + t`` and sees the keys ``j`` with ``j < lengths[b]``,
+``j <= position`` and, with a window ``(left, right)`` (an int ``w`` means ``(w, w)``),
+``position - left <= j <= position + right``. Logits are ``scale * q.k`` (default ``1/sqrt(d)``), then
+``softcap * tanh(s / softcap)``; a row that sees no key is zeros. Query head ``h`` reads kv head
+``h // (heads // kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sequence_cache(cache, b, length, page_table=None):
+    """Float64 ``[length, kv_heads, d]``: the first ``length`` positions of sequence ``b``."""
+    cache = np.asarray(cache, np.float64)
+    if page_table is None:
+        return cache[b, :length]
+    page_size = cache.shape[1]
+    rows = [cache[int(page_table[b, j // page_size]), j % page_size] for j in range(length)]
+    return np.stack(rows) if rows else np.zeros((0, *cache.shape[2:]))
+
+
+def _allowed(length, q_len, window):
+    pos = length - q_len + np.arange(q_len)[:, None]
+    j = np.arange(length)[None, :]
+    ok = j <= pos
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        if left is not None:
+            ok &= j >= pos - left
+        if right is not None:
+            ok &= j <= pos + right
+    return ok
+
+
+def softmax_rows(logits, allowed):
+    """Softmax over the allowed entries of each row (float64); rows with none give zeros, and the
+    logsumexp (``-inf`` for such rows)."""
+    masked = np.where(allowed, logits, -np.inf)
+    if masked.shape[-1]:
+        top = masked.max(axis=-1, keepdims=True)
+    else:
+        top = np.full(masked.shape[:-1] + (1,), -np.inf)
+    top_safe = np.where(np.isfinite(top), top, 0.0)
+    w = np.where(allowed, np.exp(masked - top_safe), 0.0)
+    total = w.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (top_safe + np.log(total))[..., 0]
+    return w / np.where(total > 0, total, 1.0), lse
+
+
+def oracle_decode(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, window=None, softcap=None):
+    """Float64 output ``[batch, q_len, heads, d]``."""
+    q = np.asarray(q, np.float64)
+    batch, q_len, heads, d = q.shape
+    kv_heads = np.asarray(k_cache).shape[2]
+    group = heads // kv_heads
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    out = np.zeros(q.shape)
+    for b in range(batch):
+        length = int(lengths[b])
+        k = sequence_cache(k_cache, b, length, page_table)
+        v = sequence_cache(v_cache, b, length, page_table)
+        allowed = _allowed(length, q_len, window)
+        for h in range(heads):
+            s = scale * q[b, :, h] @ k[:, h // group].T
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)
+            w, _ = softmax_rows(s, allowed)
+            out[b, :, h] = w @ v[:, h // group]
+    return out
+
+
+def oracle_partial(q_rows, k_rows, v_rows, allowed, scale):
+    """One chunk's ``(softmax-normalised output, logsumexp)`` for rows ``q_rows [r, d]`` against
+    ``k_rows, v_rows [n, d]`` with ``allowed [r, n]`` (float64)."""
+    w, lse = softmax_rows(scale * np.asarray(q_rows, np.float64) @ np.asarray(k_rows, np.float64).T, allowed)
+    return w @ np.asarray(v_rows, np.float64), lse

@@ -1,0 +1,397 @@
+"""``impl="pallas"``: a split-K (flash-decoding) Pallas TPU kernel over a contiguous or paged KV cache.
+
+The cache of each sequence is cut into *blocks* (a page of a paged cache, ``block_size`` rows of a
+contiguous one); a grid step reads ``pages_per_step`` blocks (1 for a contiguous cache) and a *chunk*
+is ``chunk_steps`` steps (``chunk_blocks`` blocks rounded up to whole steps). Grid
+``(batch, kv_head_group, chunk, step_in_chunk)``: the first three axes are independent (``parallel``,
+so Mosaic may spread them over TensorCores: this is the split over the cache that keeps a chip busy
+when ``batch x kv_heads`` is small); the last runs an online softmax over the chunk's blocks in VMEM
+scratch (``arbitrary``). Each chunk writes a partial output and its logsumexp; :func:`merge_partials`
+combines the chunks afterwards.
+
+``lengths`` (and the flattened ``page_table``) are scalar-prefetched into SMEM
+(``pltpu.PrefetchScalarGridSpec``), so the index maps and the kernel know each sequence's useful blocks
+(:func:`block_range`: those holding a position some query can see). A block outside that range is
+
+* not fetched: the K/V index maps clamp the block number into the range (:func:`kv_block`), so the
+  step asks for the block the pipeline already holds (or is about to use) and no new DMA is issued;
+* not computed: the body runs under ``pl.when(useful)``.
+
+All query heads of a GQA group (``group x q_len`` rows) form one block against their kv head's K/V.
+With ``head_dim`` a multiple of 128 a block holds one kv head (the cache is viewed, without a copy, as
+``[..., rows, kv_heads * head_dim]`` and a block takes one head's 128-lane columns); otherwise a block
+holds every kv head of the rows and the kernel loops over them.
+
+:func:`schedule` walks the same grid with the same :func:`kv_block` and :func:`block_range`, so the
+fetched/skipped counts it reports are the kernel's own.
+
+A paged cache is read ``pages_per_step`` pages per grid step, each page through its own K and V
+BlockSpec (a page is not contiguous with the next), so small pages do not each pay the per-step
+pipeline overhead (what JAX's ``paged_attention`` does with ``pages_per_compute_block`` and manual
+DMAs). Not measured on a TPU yet (compiled only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tpuattn import chips
+from tpuattn._checks import known_options, positive_int
+from tpuattn.decode.registry import register
+from tpuattn.decode.spec import DecodeSpec, padded_rows
+from tpuattn.impl.common import (
+    apply_softcap,
+    first_order_only,
+    low_precision_matmul_refused,
+    matmul_precision,
+)
+from tpuattn.pallas.layout import LANES, NT_DIMS
+
+OPTIONS = ("block_size", "chunk_blocks", "pages_per_step", "interpret")
+DEFAULT_BLOCK_SIZE = 512  # rows of a contiguous cache per block
+DEFAULT_CHUNK_POSITIONS = 2048  # cache positions per chunk (split-K unit)
+FORWARD_ONLY = ("tpuattn.decode.attention(impl='pallas') is forward only (decode is inference): the kernel "
+                "defines no derivative. Use impl='reference' to differentiate.")
+
+
+# ---------------------------------------------------------------------------- the schedule, shared
+def _traced(*xs) -> bool:
+    return any(isinstance(x, jax.Array) for x in xs)
+
+
+def _max(a, b):
+    return jnp.maximum(a, b) if _traced(a, b) else np.maximum(a, b)
+
+
+def _min(a, b):
+    return jnp.minimum(a, b) if _traced(a, b) else np.minimum(a, b)
+
+
+def _div(a, b: int):
+    """``a // b`` for ``a >= 0``: ``lax.div`` on traced values (Mosaic lowers ``floor_divide`` through
+    ``sign``, which needs a local TPU), ``//`` on NumPy ones."""
+    return jax.lax.div(a, jnp.asarray(b, a.dtype)) if _traced(a) else a // b
+
+
+def block_range(length, q_len: int, left: int | None, block: int):
+    """First and last block holding a position some query of a sequence of ``length`` can see.
+
+    The last is ``ceil(length / block) - 1`` (-1 for an empty sequence: no block is useful); the first
+    is 0, or with a window the block of the earliest visible key, ``length - q_len - left``. Works on
+    Python/NumPy integers and on traced int32 scalars alike (the kernel, its index maps and
+    :func:`schedule` all call it).
+    """
+    last = _div(length + (block - 1), block) - 1
+    first = length * 0 if left is None else _div(_max(length - (q_len + left), 0), block)
+    return first, last
+
+
+def kv_block(p, length, q_len: int, left: int | None, block: int):
+    """The block the K/V index maps ask for at step ``p`` (a block number within the sequence): ``p``
+    clamped into the useful range, so skipped steps repeat a block already fetched (no new DMA)."""
+    first, last = block_range(length, q_len, left, block)
+    return _min(_max(p, first), _max(last, first))
+
+
+def is_useful(p, length, q_len: int, left: int | None, block: int):
+    first, last = block_range(length, q_len, left, block)
+    return (p >= first) & (p <= last)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The static shape of one kernel call."""
+
+    block: int  # cache rows per block (page_size when paged)
+    num_blocks: int  # blocks per sequence
+    per_step: int  # blocks per grid step (pages, each its own BlockSpec; 1 for a contiguous cache)
+    chunk_steps: int  # grid steps per split-K chunk
+    heads_per_block: int  # kv heads in one K/V block (1, or all when head_dim is not a multiple of 128)
+    rows: int  # group x q_len, padded to a sublane tile
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.num_blocks // (self.per_step * self.chunk_steps))
+
+    def step_blocks(self):
+        """Block numbers ``[num_chunks * chunk_steps, per_step]`` of one (sequence, head group), in grid
+        order: step ``s``'s ``j``-th K/V BlockSpec holds block ``s * per_step + j`` (before clamping)."""
+        steps = self.num_chunks * self.chunk_steps
+        return np.arange(steps)[:, None] * self.per_step + np.arange(self.per_step)[None, :]
+
+
+def _plan(block: int, num_blocks: int, chunk_blocks, per_step) -> tuple[int, int]:
+    """``(per_step, chunk_steps)``: the defaults (pages per step: 128 rows' worth; chunk: 2048 positions)."""
+    per_step = max(1, min(num_blocks, 128 // block)) if per_step is None else positive_int(
+        "pages_per_step", per_step)
+    per_step = min(per_step, num_blocks)
+    chunk_blocks = max(1, DEFAULT_CHUNK_POSITIONS // block) if chunk_blocks is None else positive_int(
+        "chunk_blocks", chunk_blocks)
+    chunk_steps = min(-(-chunk_blocks // per_step), -(-num_blocks // per_step))
+    return per_step, chunk_steps
+
+
+def geometry(spec: DecodeSpec, block_size=None, chunk_blocks=None, pages_per_step=None) -> Geometry:
+    if spec.paged:
+        if block_size is not None:
+            raise ValueError("block_size: a paged cache's block is its page; expected None, "
+                             f"got {block_size!r}")
+        block, num_blocks = spec.page_size, spec.pages_per_sequence
+    else:
+        if pages_per_step is not None:
+            raise ValueError("pages_per_step: a contiguous cache has no pages (set block_size); expected "
+                             f"None, got {pages_per_step!r}")
+        block = (min(spec.capacity, DEFAULT_BLOCK_SIZE) if block_size is None
+                 else positive_int("block_size", block_size))
+        block = min(block, spec.capacity)
+        num_blocks = -(-spec.capacity // block)
+        pages_per_step = 1
+    per_step, chunk_steps = _plan(block, num_blocks, chunk_blocks, pages_per_step)
+    heads = 1 if spec.head_dim % LANES == 0 else spec.num_kv_heads
+    return Geometry(block, num_blocks, per_step, chunk_steps, heads,
+                    padded_rows(spec.group_size * spec.q_len, spec.dtype))
+
+
+def schedule(lengths, block_size: int, *, q_len: int = 1, window=None, capacity: int | None = None,
+             chunk_blocks: int | None = None, pages_per_step: int | None = None, paged: bool = True,
+             num_kv_heads: int = 1, heads_per_block: int = 1) -> dict:
+    """What the kernel fetches and computes for ``lengths`` (one entry per sequence), counted on its grid.
+
+    ``block_size``: the page size (``paged``) or the block of a contiguous cache; ``capacity``: the
+    positions a sequence can hold (default: the largest length rounded up to a block); ``window`` as in
+    :func:`tpuattn.decode.attention`; ``chunk_blocks``, ``pages_per_step`` as the kernel's options (same
+    defaults). Walks the grid ``(batch, kv_head_group, chunk, step)`` in the kernel's order with the
+    kernel's own :meth:`Geometry.step_blocks`, :func:`kv_block` and :func:`is_useful`. Each of a step's
+    ``per_step`` K (and V) BlockSpecs fetches when the block its index map asks for differs from the one
+    it asked for at the previous step (the Pallas pipeline's rule). Returns, per K/V operand: ``steps``
+    (grid steps), ``blocks`` (block slots: steps x per_step), ``computed``, ``skipped`` (``blocks -
+    computed``), ``fetched``, ``not_fetched`` (``blocks - fetched``), and the geometry.
+    """
+    lengths = np.asarray(lengths, np.int64).reshape(-1)
+    block = positive_int("block_size", block_size)
+    capacity = int(-(-max(int(lengths.max(initial=0)), 1) // block) * block) if capacity is None else capacity
+    num_blocks = -(-capacity // block)
+    if not paged:
+        pages_per_step = 1
+    per_step, chunk_steps = _plan(block, num_blocks, chunk_blocks, pages_per_step)
+    geo = Geometry(block, num_blocks, per_step, chunk_steps, heads_per_block, 0)
+    from tpuattn.spec import normalise_window
+
+    window = normalise_window(window, q_len, capacity)
+    left = None if window is None else window[0]
+    groups = num_kv_heads // heads_per_block
+    p = geo.step_blocks()
+    computed = fetched = 0
+    previous = [None] * per_step
+    for b, length in enumerate(lengths):
+        asked = kv_block(p, int(length), q_len, left, block)
+        useful = is_useful(p, int(length), q_len, left, block)
+        for g in range(groups):
+            for j in range(per_step):
+                ids = [(b, int(x), g) for x in asked[:, j]]
+                fetched += sum(1 for k, x in enumerate(ids) if x != (ids[k - 1] if k else previous[j]))
+                previous[j] = ids[-1]
+            computed += int(useful.sum())
+    steps = len(lengths) * groups * p.shape[0]
+    blocks = steps * per_step
+    return dict(steps=steps, blocks=blocks, computed=computed, skipped=blocks - computed, fetched=fetched,
+                not_fetched=blocks - fetched, block=block, num_blocks=num_blocks, per_step=per_step,
+                chunk_steps=chunk_steps, num_chunks=geo.num_chunks, head_groups=groups)
+
+
+# ---------------------------------------------------------------------------- merging chunks
+def merge_partials(outs, lses):
+    """Combine partial attention results computed over disjoint key sets.
+
+    ``outs``: ``[chunks, ..., head_dim]``, each chunk's softmax-normalised output over its own keys;
+    ``lses``: ``[chunks, ...]``, the logsumexp of each chunk's logits (``-inf`` for a chunk that saw no
+    key, whose output must be 0). Returns ``(out [..., head_dim], lse [...])`` in float32: the
+    attention over the union of the keys; rows no chunk saw give zeros and ``-inf``.
+    """
+    outs = jnp.asarray(outs, jnp.float32)
+    lses = jnp.asarray(lses, jnp.float32)
+    m = jnp.max(lses, axis=0)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lses - m_safe)  # exp(-inf) = 0 for empty chunks
+    total = jnp.sum(w, axis=0)
+    out = jnp.sum(w[..., None] * outs, axis=0) / jnp.where(total == 0, 1.0, total)[..., None]
+    return out, m_safe + jnp.log(total)
+
+
+# ---------------------------------------------------------------------------- the kernel
+def _row_position(rows: int, cols: int, q_len: int):
+    """``t`` of each query row ``r = g * q_len + t``, as ``[rows, cols]`` int32: ``r mod q_len`` computed
+    in float32 (exact for these small integers), since Mosaic has no vector integer remainder."""
+    if q_len == 1:
+        return jnp.zeros((rows, cols), jnp.int32)
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0).astype(jnp.float32)
+    return (r - q_len * jnp.floor((r + 0.5) / q_len)).astype(jnp.int32)
+
+
+def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, heads, head_dim, scale, softcap,
+                   precision):
+    lengths_ref, refs = refs[0], refs[2 if paged else 1:]
+    q_ref, k_refs, v_refs = refs[0], refs[1:1 + per_step], refs[1 + per_step:1 + 2 * per_step]
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
+    b, c, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    length = lengths_ref[b]
+
+    @pl.when(i == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def update(p, k_ref, v_ref):
+        rows = q_ref.shape[1]
+        key = p * block + jax.lax.broadcasted_iota(jnp.int32, (rows, block), 1)
+        query = length - q_len + _row_position(rows, block, q_len)
+        keep = (key < length) & (key <= query)
+        if left is not None:
+            keep &= key >= query - left
+        in_cache = p * block + jax.lax.broadcasted_iota(jnp.int32, (block, head_dim), 0) < length
+        for h in range(heads):
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            q, k = q_ref[h], k_ref[:, cols]
+            # Rows past the length hold whatever the cache holds (other data, NaN): never let them in.
+            v = jnp.where(in_cache, v_ref[:, cols], 0).astype(v_ref.dtype)
+            s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+            s = apply_softcap(s * scale, softcap)
+            s = jnp.where(keep, s, -jnp.inf)
+            m_prev, l_prev = m_ref[h], l_ref[h]
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            e = jnp.exp(s - shift[:, :1])
+            alpha = jnp.exp(m_prev - shift)
+            l_ref[h] = alpha * l_prev + jnp.sum(e, axis=1, keepdims=True)
+            m_ref[h] = m_next
+            pv = jnp.dot(e.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+            acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
+
+    for j in range(per_step):  # the step's pages, each computed only if useful
+        p = (c * chunk_steps + i) * per_step + j
+        pl.when(is_useful(p, length, q_len, left, block))(
+            functools.partial(update, p, k_refs[j], v_refs[j]))
+
+    @pl.when(i == chunk_steps - 1)
+    def _finish():
+        m, l_sum = m_ref[...], l_ref[...]
+        seen = l_sum != 0
+        o_ref[...] = jnp.where(seen[..., :1], acc_ref[...] / jnp.where(seen, l_sum, 1.0)[..., :1], 0.0)
+        lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+
+
+def resolve_interpret(interpret):
+    """``None``: compiled for a TPU (the local one or ``chips.target``'s), interpret mode elsewhere."""
+    if interpret is None:
+        return chips.target_backend() != "tpu"
+    if isinstance(interpret, bool):
+        return interpret
+    raise ValueError(f"interpret: expected None, True or False, got {interpret!r}")
+
+
+def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Geometry, interpret):
+    """Run the kernel: per-chunk ``(out [chunks, batch, kv_heads, rows, d], lse [chunks, batch, kv_heads,
+    rows])`` in float32 (rows: group heads x q_len, padded)."""
+    b, tq, h, d = q.shape
+    hk, g = spec.num_kv_heads, spec.group_size
+    rows, hb = geo.rows, geo.heads_per_block
+    qk = q.reshape(b, tq, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * tq, d)
+    qk = jnp.pad(qk, ((0, 0), (0, 0), (0, rows - g * tq), (0, 0)))
+    # [..., rows, kv_heads, d] -> [..., rows, kv_heads * d]: a reshape of contiguous memory, no copy.
+    kc = k_cache.reshape(*k_cache.shape[:2], hk * d)
+    vc = v_cache.reshape(*v_cache.shape[:2], hk * d)
+    left, block, cs, n, pps = spec.left, geo.block, geo.chunk_steps, geo.per_step, geo.num_blocks
+
+    # One K and one V BlockSpec per page of a step: spec j of step (c, i) holds block (c*cs + i)*n + j,
+    # clamped into the sequence's useful range (kv_block) so that skipped slots ask for a block already
+    # held and issue no DMA.
+    if spec.paged:
+        def kv_map(j):
+            def index(bi, hg, c, i, lengths_ref, table_ref):
+                p = kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block)
+                return table_ref[bi * pps + p], 0, hg
+            return index
+
+        def fixed(bi, hg, c, i, lengths_ref, table_ref):
+            return bi, hg, 0, 0
+
+        def out_map(bi, hg, c, i, lengths_ref, table_ref):
+            return c, bi, hg, 0, 0
+        prefetch = (lengths, page_table.reshape(-1))
+    else:
+        def kv_map(j):
+            def index(bi, hg, c, i, lengths_ref):
+                return bi, kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block), hg
+            return index
+
+        def fixed(bi, hg, c, i, lengths_ref):
+            return bi, hg, 0, 0
+
+        def out_map(bi, hg, c, i, lengths_ref):
+            return c, bi, hg, 0, 0
+        prefetch = (lengths,)
+
+    kv_specs = [pl.BlockSpec((None, block, hb * d), kv_map(j)) for j in range(n)]
+    grid = (b, hk // hb, geo.num_chunks, cs)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        grid=grid,
+        in_specs=[pl.BlockSpec((None, hb, rows, d), fixed), *kv_specs, *kv_specs],
+        out_specs=[pl.BlockSpec((None, None, hb, rows, d), out_map),
+                   pl.BlockSpec((None, None, hb, rows, LANES), out_map)],
+        scratch_shapes=[pltpu.VMEM((hb, rows, LANES), jnp.float32),  # running max
+                        pltpu.VMEM((hb, rows, LANES), jnp.float32),  # running sum
+                        pltpu.VMEM((hb, rows, d), jnp.float32)],  # output accumulator
+    )
+    kernel = functools.partial(
+        _decode_kernel, paged=spec.paged, q_len=tq, left=left, block=block, per_step=n, chunk_steps=cs,
+        heads=hb, head_dim=d, scale=spec.scale, softcap=spec.softcap, precision=matmul_precision(q.dtype))
+    itemsize = jnp.dtype(q.dtype).itemsize
+    positions = b * geo.num_blocks * block  # every block of every sequence: the compiler's upper bound
+    cost = pl.CostEstimate(flops=4 * hk * rows * positions * d, transcendentals=hk * rows * positions,
+                           bytes_accessed=itemsize * (qk.size + 2 * positions * hk * d)
+                           + 4 * geo.num_chunks * b * hk * rows * (d + LANES))
+    out_shape = [jax.ShapeDtypeStruct((geo.num_chunks, b, hk, rows, d), jnp.float32),
+                 jax.ShapeDtypeStruct((geo.num_chunks, b, hk, rows, LANES), jnp.float32)]
+    out, lse = pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret, cost_estimate=cost, name="tpuattn_decode_split_k",
+    )(*prefetch, qk, *[kc] * n, *[vc] * n)
+    return out, lse[..., 0]
+
+
+def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, **options):
+    """The ``impl="pallas"`` entry point. Options: ``block_size`` (contiguous cache rows per block,
+    default 512), ``pages_per_step`` (paged cache: pages per grid step, each its own BlockSpec; default
+    128 rows' worth), ``chunk_blocks`` (blocks per split-K chunk, rounded up to whole steps; default
+    2048 positions' worth), ``interpret`` (None: compiled on TPU, interpret mode elsewhere)."""
+    known_options("pallas", options, OPTIONS)
+    geo = geometry(spec, *(options.get(k) for k in ("block_size", "chunk_blocks", "pages_per_step")))
+    interpret = resolve_interpret(options.get("interpret"))
+    run = functools.partial(partials, spec=spec, geo=geo, interpret=interpret)
+    out, lse = first_order_only(run, FORWARD_ONLY)(q, k_cache, v_cache, lengths, page_table)
+    merged, _ = merge_partials(out, lse)  # [b, hk, rows, d]
+    b, tq, h, d = q.shape
+    g = spec.group_size
+    merged = merged[:, :, : g * tq].reshape(b, spec.num_kv_heads, g, tq, d)
+    return merged.transpose(0, 3, 1, 2, 4).reshape(b, tq, h, d).astype(q.dtype)
+
+
+def pallas_supports(spec: DecodeSpec, backend: str | None = None) -> str | None:
+    return low_precision_matmul_refused(spec.attention, backend, "pallas")
+
+
+register("pallas", pallas_decode,
+         description="split-K (flash-decoding) Pallas TPU kernel, scalar-prefetched lengths/page table",
+         supports=pallas_supports, auto_rank=lambda spec, backend: 0.0 if backend == "tpu" else None,
+         interpreted_off_tpu=True, options=OPTIONS)

@@ -1,0 +1,55 @@
+"""``impl="reference"``: gather the pages into a contiguous cache, mask, materialised softmax in float32."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from tpuattn._checks import known_options
+from tpuattn.decode.registry import register
+from tpuattn.impl.common import apply_softcap, matmul
+
+
+def gather_cache(cache, page_table):
+    """A paged cache ``[num_pages, page_size, kv_heads, d]`` as ``[batch, capacity, kv_heads, d]``."""
+    pages = cache[page_table]  # [batch, pages_per_sequence, page_size, kv_heads, d]
+    b, n, p, h, d = pages.shape
+    return pages.reshape(b, n * p, h, d)
+
+
+def visible(lengths, q_len: int, capacity: int, left: int | None):
+    """Boolean ``[batch, q_len, capacity]``: may query ``t`` of sequence ``b`` see key ``j``?"""
+    pos = lengths[:, None, None] - q_len + jnp.arange(q_len)[None, :, None]
+    j = jnp.arange(capacity)[None, None, :]
+    keep = (j < lengths[:, None, None]) & (j <= pos)
+    if left is not None:
+        keep &= j >= pos - left
+    return keep
+
+
+def reference_decode(q, k_cache, v_cache, lengths, page_table, spec, **options):
+    known_options("reference", options, ())
+    if spec.paged:
+        k_cache, v_cache = gather_cache(k_cache, page_table), gather_cache(v_cache, page_table)
+    b, tq, h, d = q.shape
+    hk, g = spec.num_kv_heads, spec.group_size
+    keep = visible(lengths, tq, spec.capacity, spec.left)  # [b, tq, S]
+    valid = (jnp.arange(spec.capacity)[None, :] < lengths[:, None])[:, :, None, None]
+    # Positions past a sequence's length never contribute, whatever the cache holds there (NaN included).
+    v_cache = jnp.where(valid, v_cache, 0)
+    qg = q.reshape(b, tq, hk, g, d)
+    s = matmul("btkgd,bskd->bkgts", qg, k_cache) * spec.scale
+    s = apply_softcap(s, spec.softcap)
+    mask = keep[:, None, None]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(total == 0, 1.0, total)
+    out = matmul("bkgts,bskd->btkgd", p, v_cache.astype(jnp.float32))
+    return out.reshape(b, tq, h, d).astype(q.dtype)
+
+
+register("reference", reference_decode,
+         description="gather pages, mask, materialised float32 softmax (jax.numpy, XLA)",
+         auto_rank=lambda spec, backend: 0.0 if backend != "tpu" else 10.0)
