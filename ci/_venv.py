@@ -12,7 +12,9 @@ The package is installed editable with ``--no-deps`` so an environment holds exa
 A stamp file records a hash of the pin file, the dependencies declared in ``pyproject.toml`` and the
 Python version; when any of them changes the environment is rebuilt from scratch. ``.venv`` also
 gets a Jupyter kernel named ``tpuattn`` (installed under the venv's prefix) that papermill uses, so
-notebooks always run on the venv's Python whatever kernels the user has installed elsewhere.
+notebooks always run on the venv's Python whatever kernels the user has installed elsewhere;
+``.venv-jax0.7.2`` gets ``tpuattn-jax0.7.2`` (with Colab's ipywidgets 7.7.1), so that
+``python3 ci/notebooks.py --jax 0.7.2`` runs every notebook on Colab's JAX too.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ KERNEL_NAME = "tpuattn"
 
 
 class Env:
-    def __init__(self, name: str, pins: str, kernel: bool):
+    def __init__(self, name: str, pins: str, kernel: str | None):
         self.name = name
         self.path = ROOT / name
         self.pins = ROOT / "requirements" / pins
-        self.kernel = kernel
+        self.kernel = kernel  # the Jupyter kernel name it installs (None: no kernel)
+
+    @property
+    def jupyter_path(self) -> Path:
+        """Where its kernel spec lives (add it to ``JUPYTER_PATH`` to use the kernel from another env)."""
+        return self.path / "share" / "jupyter"
 
     @property
     def python(self) -> Path:
@@ -87,15 +94,16 @@ class Env:
         _run([*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)])
         _run([str(self.python), "-m", "pip", "--disable-pip-version-check", "check"])
         if self.kernel:
-            _run([str(self.python), "-m", "ipykernel", "install", "--sys-prefix", "--name", KERNEL_NAME,
+            _run([str(self.python), "-m", "ipykernel", "install", "--sys-prefix", "--name", self.kernel,
                   "--display-name", f"Python 3 (tpuattn {self.name})"])
         self._stamp.write_text(self._fingerprint() + "\n")
         print(f"[setup] {self.name} ready in {time.perf_counter() - start:.0f} s", flush=True)
         return self
 
 
-MAIN = Env(".venv", "ci-jax0.10.2.txt", kernel=True)
-JAX_0_7 = Env(".venv-jax0.7.2", "ci-jax0.7.2.txt", kernel=False)
+MAIN = Env(".venv", "ci-jax0.10.2.txt", kernel=KERNEL_NAME)
+JAX_0_7 = Env(".venv-jax0.7.2", "ci-jax0.7.2.txt", kernel="tpuattn-jax0.7.2")
+ENVS = {"0.10.2": MAIN, "0.7.2": JAX_0_7}
 
 # The environment variables every command in ``.venv`` runs with: the CPU backend, the TPU compiler
 # available (libtpu guards itself with a lockfile against two processes; compile-only use is safe

@@ -4,6 +4,7 @@
     python3 ci/notebooks.py 01 03           # only notebooks whose name contains 01 or 03
     python3 ci/notebooks.py -p RUN_BENCHMARKS True    # override a parameters-cell value
     python3 ci/notebooks.py --update        # also write the outputs back into the committed .ipynb
+    python3 ci/notebooks.py --jax 0.7.2     # on Colab's JAX (a kernel in .venv-jax0.7.2)
 
 On first use it builds ``.venv`` from ``requirements/ci-jax0.10.2.txt`` (see ci/_venv.py) and re-runs
 itself inside it. Notebooks run from ``notebooks/`` (so ``../figures`` is the figures folder) on the
@@ -105,8 +106,19 @@ def main() -> int:
     parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="override a parameters-cell variable (Python literal)")
     parser.add_argument("--cell-timeout", type=int, default=300, help="seconds per cell")
+    parser.add_argument("--jax", choices=sorted(_venv.ENVS), default="0.10.2",
+                        help="the JAX the notebooks' kernel runs (0.7.2: Colab's TPU runtime)")
     args = parser.parse_args()
+    if args.update and args.jax != "0.10.2":
+        parser.error("--update writes the committed outputs, which come from JAX 0.10.2")
 
+    kernel_env = _venv.ENVS[args.jax]
+    if kernel_env is not _venv.MAIN:
+        kernel_env.ensure()
+        # papermill (in .venv) finds the other environment's kernel through JUPYTER_PATH.
+        existing = os.environ.get("JUPYTER_PATH", "").split(os.pathsep)
+        paths = [str(kernel_env.jupyter_path), *filter(None, existing)]
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(dict.fromkeys(paths))
     _venv.reexec_in(_venv.MAIN)
     # .venv has libtpu (the TPU compiler, for the compiled cells): keep JAX on the CPU unless the
     # caller chose a platform (JAX_PLATFORMS=tpu on a TPU machine).
@@ -135,7 +147,7 @@ def main() -> int:
             status = "ok"
             try:
                 pm.execute_notebook(str(source), str(output), parameters=parameters,
-                                    kernel_name=_venv.KERNEL_NAME, cwd=str(NOTEBOOKS), progress_bar=True,
+                                    kernel_name=kernel_env.kernel, cwd=str(NOTEBOOKS), progress_bar=True,
                                     execution_timeout=args.cell_timeout)
             except PapermillExecutionError as error:
                 status = "FAILED " + describe_failure(error, nbformat.read(source, as_version=4))

@@ -9,10 +9,11 @@ On first use it builds ``.venv`` (JAX 0.10.2 + tools) and ``.venv-jax0.7.2`` fro
 * ``ruff``            ``ruff check`` over tpuattn, tests, the notebook twins and ci
 * ``pairs``           each ``notebooks/NN_*.ipynb`` has a ``.py`` twin equal to ``jupytext --to py:percent``
                       of it, and every code cell of the committed notebook has been executed
-                      (nbval skips cells without a stored execution count). Writes nothing.
+                      (nbval skips cells without a stored execution count), and its Colab badge and
+                      install cell are the ones ci/install_cell.py generates. Writes nothing.
 * ``unit-jax0.10.2``  pytest tests/ on JAX 0.10.2
 * ``unit-jax0.7.2``   pytest tests/ on JAX 0.7.2 (Colab's TPU runtime)
-* ``compile``         tests/test_aot.py in ``.venv`` (JAX 0.10.2 + libtpu, ``JAX_PLATFORMS=cpu``): every
+* ``compile``         tests/test_aot*.py in ``.venv`` (JAX 0.10.2 + libtpu, ``JAX_PLATFORMS=cpu``): every
                       implementation through the real TPU compiler for every chip, the model held to the
                       compiler (compiled, not run; no TPU needed). The unit stages leave this file out.
 * ``compile-jax0.7.2`` the same file on JAX 0.7.2 with its libtpu (0.0.23): everything compiles for every
@@ -20,6 +21,9 @@ On first use it builds ``.venv`` (JAX 0.10.2 + tools) and ``.venv-jax0.7.2`` fro
 * ``nbval``           ``pytest --nbval`` over the committed notebooks on the venv's Python; compares
                       outputs except stderr and cells tagged ``nbval-ignore-output``; figures go to a
                       temporary folder (TPUATTN_FIGURES_DIR) so the working tree is not modified.
+* ``papermill-jax0.7.2`` every notebook executed top to bottom with papermill on JAX 0.7.2 (Colab's TPU
+                      runtime, with its ipywidgets 7.7.1) through ``ci/notebooks.py --jax 0.7.2``;
+                      outputs and figures to a temporary folder
 
 Every stage runs; the command prints a table of stage, seconds, result and exits 1 if any failed.
 """
@@ -40,7 +44,9 @@ import _venv  # noqa: E402
 
 ROOT = _venv.ROOT
 NOTEBOOKS = ROOT / "notebooks"
-STAGES = ("ruff", "pairs", "unit-jax0.10.2", "unit-jax0.7.2", "compile", "compile-jax0.7.2", "nbval")
+STAGES = ("ruff", "pairs", "unit-jax0.10.2", "unit-jax0.7.2", "compile", "compile-jax0.7.2", "nbval",
+          "papermill-jax0.7.2")
+COMPILE_TESTS = "tests/test_aot*.py"  # the compile stages' files; the unit stages leave them out
 PYTEST_EXIT = {0: "passed", 1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error",
                5: "no tests collected"}
 
@@ -103,6 +109,9 @@ def stage_pairs() -> str:
             if unexecuted:
                 problems.append(f"{ipynb.name}: code cells {unexecuted} have no stored outputs "
                                 f"(python3 ci/notebooks.py --update {ipynb.stem})")
+    import install_cell  # the badge and install cell of every notebook, generated from pyproject.toml
+
+    problems += [p for py in pys for p in install_cell.problems(py)]
     for problem in problems:
         print("  " + problem)
     print(f"  {len(ipynbs)} notebook pair(s) checked")
@@ -114,14 +123,15 @@ def stage_unit(env: _venv.Env) -> str:
     # -n 2: two pytest-xdist workers, one per core. Most of the time is XLA compiling (one thread
     # each), so two workers come close to halving the stage. The compile tests have their own stage.
     return pytest_result(run([str(env.python), "-m", "pytest", "-p", "no:cacheprovider", "--durations=15",
-                              "-n", "2", "--ignore", "tests/test_aot.py", "tests"],
+                              "-n", "2", f"--ignore-glob={COMPILE_TESTS}", "tests"],
                              env=_venv.CPU_WITH_TPU_COMPILER))
 
 
 def stage_compile(env: _venv.Env) -> str:
     variables = {**_venv.CPU_WITH_TPU_COMPILER, "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
+    files = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(COMPILE_TESTS))
     return pytest_result(run([str(env.python), "-m", "pytest", "-p", "no:cacheprovider",
-                              "--durations=10", "-n", "2", "tests/test_aot.py"], env=variables))
+                              "--durations=10", "-n", "2", *files], env=variables))
 
 
 def stage_nbval() -> str:
@@ -139,6 +149,16 @@ def stage_nbval() -> str:
     return pytest_result(code)
 
 
+def stage_papermill_jax07() -> str:
+    """Every notebook top to bottom on Colab's JAX (0.7.2, ipywidgets 7.7.1) with papermill; the
+    executed copies and figures go to a temporary folder, the working tree is not written."""
+    with tempfile.TemporaryDirectory(prefix="tpuattn-papermill-") as tmp:
+        code = run([str(_venv.MAIN.python), str(ROOT / "ci" / "notebooks.py"), "--jax", "0.7.2",
+                    "--out", str(Path(tmp) / "notebooks")],
+                   env={"TPUATTN_FIGURES_DIR": str(Path(tmp) / "figures"), **_venv.CPU_WITH_TPU_COMPILER})
+    return "ok" if code == 0 else f"FAILED (ci/notebooks.py exit {code})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", choices=STAGES, help="run only this stage (repeatable)")
@@ -150,7 +170,8 @@ def main() -> int:
     begin = float(os.environ.setdefault("TPUATTN_CI_START", str(time.time())))
     _venv.reexec_in(_venv.MAIN)
     rows = []
-    for stage, env in (("unit-jax0.7.2", _venv.JAX_0_7), ("compile-jax0.7.2", _venv.JAX_0_7)):
+    for stage, env in (("unit-jax0.7.2", _venv.JAX_0_7), ("compile-jax0.7.2", _venv.JAX_0_7),
+                       ("papermill-jax0.7.2", _venv.JAX_0_7)):
         if stage in stages and not any(env.name in name for name, _, _ in rows):
             start = time.perf_counter()
             env.ensure()
@@ -159,7 +180,7 @@ def main() -> int:
                "unit-jax0.7.2": lambda: stage_unit(_venv.JAX_0_7),
                "compile": lambda: stage_compile(_venv.MAIN),
                "compile-jax0.7.2": lambda: stage_compile(_venv.JAX_0_7),
-               "nbval": stage_nbval}
+               "nbval": stage_nbval, "papermill-jax0.7.2": stage_papermill_jax07}
     for stage in stages:
         print(f"\n===== {stage} =====", flush=True)
         start = time.perf_counter()

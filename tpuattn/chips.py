@@ -44,6 +44,17 @@ class Chip:
     device_kinds: tuple[str, ...]  # jax.Device.device_kind strings of this chip
     bf16_matmul: bool = True  # Mosaic accepts bf16 matmul operands (not on v2/v3)
     kernel_vmem_bytes: int = 16 * MIB  # VMEM a Pallas kernel gets by default (see KERNEL_VMEM below)
+    # Inter-chip interconnect: bidirectional bytes/s per chip and its ports, as Google Cloud states
+    # them (None where this table does not carry them; see ICI below).
+    ici_bandwidth: float | None = None
+    ici_ports: int | None = None
+
+    @property
+    def ici_link_bandwidth(self) -> float | None:
+        """One-way bytes/s of one ICI link: the per-chip bidirectional figure over 2 x ports."""
+        if self.ici_bandwidth is None or not self.ici_ports:
+            return None
+        return self.ici_bandwidth / (2 * self.ici_ports)
 
     @property
     def cores_per_device(self) -> int:
@@ -61,9 +72,10 @@ CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
     Chip("v2", 2, False, 4.6e13, 7.16e11, 16.0e9, 16 * MIB, "v2:2x2x1", ("TPU v2",), bf16_matmul=False),
     Chip("v3", 2, False, 1.40e14, 8.25e11, 34.4e9, 16 * MIB, "v3:2x2x1", ("TPU v3",), bf16_matmul=False),
     Chip("v4", 2, True, 2.75e14, 1.23e12, 34.4e9, 16 * MIB, "v4:2x2x1", ("TPU v4",)),
-    Chip("v5e", 1, False, 1.97e14, 8.20e11, 17.2e9, 128 * MIB, "v5e:2x2", ("TPU v5 lite", "TPU v5e")),
+    Chip("v5e", 1, False, 1.97e14, 8.20e11, 17.2e9, 128 * MIB, "v5e:2x2", ("TPU v5 lite", "TPU v5e"),
+         ici_bandwidth=400e9, ici_ports=4),
     Chip("v5p", 2, True, 4.59e14, 2.46e12, 103.0e9, 64 * MIB, "v5p:2x2x1", ("TPU v5", "TPU v5p"),
-         kernel_vmem_bytes=64 * MIB),
+         kernel_vmem_bytes=64 * MIB, ici_bandwidth=1200e9, ici_ports=6),
     Chip("v6e", 1, False, 9.20e14, 1.64e12, 34.4e9, 128 * MIB, "v6e:2x2", ("TPU v6 lite", "TPU v6e"),
          kernel_vmem_bytes=32 * MIB),
     Chip("tpu7x", 2, False, 2.31e15, 7.40e12, 206.0e9, 64 * MIB, "tpu7x:2x2x1", ("TPU7x",),
@@ -74,6 +86,12 @@ NAMES = tuple(CHIPS)
 # the TPU compiler itself states it when a kernel overflows (libtpu 0.0.42.1, compile-only): a scoped
 # limit of 16 MiB on v5e and 32 MiB on v6e ("E1001: CompileTimeScopedVmemOom ... limit 16.00M"), the
 # whole VMEM elsewhere ("Used ... of 16.00M vmem" on v2/v3/v4, "of 63.94M" on v5p, "of 64.00M" on tpu7x).
+
+# ICI: "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip)": 400 GBps with 4 ICI ports
+# on v5e (https://cloud.google.com/tpu/docs/v5e, 2D torus) and 1200 GBps on v5p
+# (https://cloud.google.com/tpu/docs/v5p, 3D torus: 6 neighbours). One link one way is then 50 GB/s
+# on v5e and 100 GB/s on v5p ("How to Scale Your Model", ch. 2, tabulates 4.5e10 and 9e10 B/s).
+# Only the two chips whose slices the slice report compiles carry them.
 
 # Off a TPU (and for a chip this table does not know) the kernels budget for the smallest VMEM.
 DEFAULT_VMEM_BYTES = 16 * MIB

@@ -82,7 +82,7 @@ def slice_row(topology: str, strategy: str, mode: str, seq_len: int, *, layout: 
     from tpuattn.measure.flops import check_mode
 
     check_mode(mode)
-    chip = SLICES[topology]
+    chip = chips.get(topology.split(":")[0]).name  # "v5e:2x4" is made of v5e chips
     jax_version, libtpu_version = _versions()
     row = {key: None for key in COLUMNS}
     row.update(topology=topology, chip=chip, strategy=strategy, layout=layout, mode=mode, seq_len=seq_len,
