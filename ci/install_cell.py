@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 BADGE = re.compile(r"^# \[!\[Open In Colab\]\(.*\)\]\(.*\)$", re.M)
 # The install cell: from its "# %%" header to the next cell header.
-CELL = re.compile(r"^# %%\n# On Colab, install the package.*?(?=^# %%)", re.M | re.S)
+CELL = re.compile(r"^# %%\n# (?:On Colab, install|Installs the package on Colab).*?(?=^# %%)", re.M | re.S)
 
 
 def source() -> tuple[str, str]:
@@ -62,12 +62,11 @@ if "google.colab" in sys.modules:
 
 def problems(py: Path) -> list[str]:
     text, stem, found = py.read_text(), py.stem, []
-    badges = BADGE.findall(text)
-    if badges != [badge(stem)]:
-        found.append(f"{py.name}: the Colab badge is not the generated one (python3 ci/install_cell.py --write)")
-    cells = CELL.findall(text)
-    if cells != [install_cell()]:
-        found.append(f"{py.name}: the install cell is not the generated one (python3 ci/install_cell.py --write)")
+    fix = "(python3 ci/install_cell.py --write)"
+    if BADGE.findall(text) != [badge(stem)]:
+        found.append(f"{py.name}: the Colab badge is not the generated one {fix}")
+    if CELL.findall(text) != [install_cell()]:
+        found.append(f"{py.name}: the install cell is not the generated one {fix}")
     return found
 
 

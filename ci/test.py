@@ -24,6 +24,12 @@ On first use it builds ``.venv`` (JAX 0.10.2 + tools) and ``.venv-jax0.7.2`` fro
 * ``papermill-jax0.7.2`` every notebook executed top to bottom with papermill on JAX 0.7.2 (Colab's TPU
                       runtime, with its ipywidgets 7.7.1) through ``ci/notebooks.py --jax 0.7.2``;
                       outputs and figures to a temporary folder
+* ``book``            ``ci/book.py`` builds the site in ``out/book/`` from the committed outputs;
+                      ``ci/browser_check.py`` opens every page in headless chromium (console errors,
+                      failed or external loads, broken links and anchors, alt text) and takes
+                      screenshots at desktop and phone widths into ``out/book/screenshots/``
+* ``lab``             ``ci/lab_check.py``: notebook 03 run in JupyterLab in chromium, a slider of its grid
+                      widget moved and the figure seen to change (screenshots before and after)
 
 Every stage runs; the command prints a table of stage, seconds, result and exits 1 if any failed.
 """
@@ -45,7 +51,7 @@ import _venv  # noqa: E402
 ROOT = _venv.ROOT
 NOTEBOOKS = ROOT / "notebooks"
 STAGES = ("ruff", "pairs", "unit-jax0.10.2", "unit-jax0.7.2", "compile", "compile-jax0.7.2", "nbval",
-          "papermill-jax0.7.2")
+          "papermill-jax0.7.2", "book", "lab")
 COMPILE_TESTS = "tests/test_aot*.py"  # the compile stages' files; the unit stages leave them out
 PYTEST_EXIT = {0: "passed", 1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error",
                5: "no tests collected"}
@@ -159,6 +165,20 @@ def stage_papermill_jax07() -> str:
     return "ok" if code == 0 else f"FAILED (ci/notebooks.py exit {code})"
 
 
+def stage_book() -> str:
+    # The site from the committed outputs, then every page opened in headless chromium.
+    for script in ("book.py", "browser_check.py"):
+        code = run([str(_venv.MAIN.python), str(ROOT / "ci" / script)])
+        if code != 0:
+            return f"FAILED (ci/{script} exit {code})"
+    return "ok"
+
+
+def stage_lab() -> str:
+    code = run([str(_venv.MAIN.python), str(ROOT / "ci" / "lab_check.py")])
+    return "ok" if code == 0 else f"FAILED (ci/lab_check.py exit {code})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", choices=STAGES, help="run only this stage (repeatable)")
@@ -180,7 +200,8 @@ def main() -> int:
                "unit-jax0.7.2": lambda: stage_unit(_venv.JAX_0_7),
                "compile": lambda: stage_compile(_venv.MAIN),
                "compile-jax0.7.2": lambda: stage_compile(_venv.JAX_0_7),
-               "nbval": stage_nbval, "papermill-jax0.7.2": stage_papermill_jax07}
+               "nbval": stage_nbval, "papermill-jax0.7.2": stage_papermill_jax07, "book": stage_book,
+               "lab": stage_lab}
     for stage in stages:
         print(f"\n===== {stage} =====", flush=True)
         start = time.perf_counter()

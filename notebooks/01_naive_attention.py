@@ -32,13 +32,21 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/01_naive_attention.ipynb)
 
 # %%
-# On Colab, install the package (and matplotlib/ipywidgets extras); elsewhere this does nothing.
+# On Colab, install the package at the version this notebook belongs to (main); elsewhere this does
+# nothing. (Written by ci/install_cell.py from pyproject.toml.)
 import subprocess
 import sys
 
+TPUATTN = "tpuattn[notebooks] @ git+https://github.com/tpuattn/tpuattn@main"
 if "google.colab" in sys.modules:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "tpuattn[notebooks] @ git+https://github.com/tpuattn/tpuattn"], check=True)
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", TPUATTN],
+                            capture_output=True, text=True)
+    print(result.stdout + result.stderr)  # pip's own messages, its errors included
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"pip could not install {TPUATTN!r} (exit {result.returncode}; its messages are above). "
+            "If github.com is not reachable from this runtime, build a wheel from a clone elsewhere "
+            "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
 
 # %% tags=["nbval-ignore-output"]
 import tpuattn

@@ -41,13 +41,21 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/05_measure.ipynb)
 
 # %%
-# On Colab, install the package (and matplotlib/ipywidgets/tqdm extras); elsewhere this does nothing.
+# On Colab, install the package at the version this notebook belongs to (main); elsewhere this does
+# nothing. (Written by ci/install_cell.py from pyproject.toml.)
 import subprocess
 import sys
 
+TPUATTN = "tpuattn[notebooks] @ git+https://github.com/tpuattn/tpuattn@main"
 if "google.colab" in sys.modules:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "tpuattn[notebooks] @ git+https://github.com/tpuattn/tpuattn"], check=True)
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", TPUATTN],
+                            capture_output=True, text=True)
+    print(result.stdout + result.stderr)  # pip's own messages, its errors included
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"pip could not install {TPUATTN!r} (exit {result.returncode}; its messages are above). "
+            "If github.com is not reachable from this runtime, build a wheel from a clone elsewhere "
+            "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
 
 # %% tags=["nbval-ignore-output"]
 import tpuattn
@@ -402,34 +410,18 @@ style.close(fig)
 # the roofline bound it achieved. On a TPU runtime, section 4 adds your own runs.
 
 # %%
-# Published measurements on real TPUs: (source, chip, the registered implementation whose schedule
-# the measured program runs, batch, heads, seq_len, head_dim, dtype, causal, mode, block size or None
-# for materialised, matmul precision, measured seconds). Sources are listed under References.
-PUBLISHED_TPU_RUNS = [
-    ("marin splash logbook", "v4", "splash", 1, 8, 8192, 128, "bfloat16", True, "fwd", 512, "highest",
-     1.837e-3),
-    ("marin splash logbook", "v4", "splash", 1, 8, 16384, 128, "bfloat16", True, "fwd", 512, "highest",
-     5.809e-3),
-    ("marin splash logbook", "v5p", "splash", 1, 8, 8192, 128, "bfloat16", True, "fwd", 512, "highest",
-     1.204e-3),
-    ("marin splash logbook", "v5p", "splash", 1, 8, 16384, 128, "bfloat16", True, "fwd", 512, "highest",
-     3.297e-3),
-    ("marin PR #6330", "v5p", "splash", 1, 8, 8192, 128, "bfloat16", True, "fwd", 512, "highest", 0.778e-3),
-    ("axlearn benchmark", "v4", "splash", 2, 110, 2048, 128, "bfloat16", True, "fwd", 512, "highest", 3.5e-3),
-    ("axlearn benchmark", "v4", "splash", 2, 110, 2048, 128, "bfloat16", True, "fwd+bwd", 512, "highest",
-     18.2e-3),
-    ("axlearn benchmark", "v4", "reference", 2, 110, 2048, 128, "bfloat16", True, "fwd", None, "highest",
-     10.5e-3),
-    ("jax-ml/jax#24633", "v5e", "splash", 32, 8, 4096, 64, "bfloat16", False, "fwd", 128, "highest",
-     144.97e-3),
-    ("Zhang 2026", "v5e", "reference", 1, 1, 4096, 64, "float32", False, "fwd", None, "default", 0.072e-3),
-    ("Zhang 2026", "v5e", "reference", 1, 1, 16384, 64, "float32", False, "fwd", None, "default", 4.445e-3),
-]
+# Published measurements on real TPUs, each with its configuration and source
+# (tpuattn.model.published, the same table the test suite holds the model below); the v2 run is
+# float32, so it is left out of these bf16 rooflines.
+from tpuattn.model import published as published_runs
+
 published = []  # (chip, label, intensity, reached FLOP/s, impl, fraction of the bound)
 print(f"{'source':<21} {'chip':<4} {'schedule of':<10} {'T':>6} {'mode':<8} {'measured ms':>11} "
       f"{'bound ms':>9} {'FLOP/B':>7} {'TFLOP/s':>8} {'fraction':>8}")
-for (source, chip_name, impl, batch, heads, t, head_dim, run_dtype, causal, mode, block, precision,
-     seconds) in PUBLISHED_TPU_RUNS:
+for run in published_runs.bf16_runs():
+    source, chip_name, impl, batch, heads, t, head_dim, run_dtype, causal, mode, block, precision, seconds = (
+        run.label, run.chip, run.impl, run.batch, run.heads, run.seq_len, run.head_dim, run.dtype, run.causal,
+        run.mode, run.block, run.precision, run.seconds)
     spec = roofline.problem(t, batch=batch, heads=heads, head_dim=head_dim, dtype=run_dtype, causal=causal)
     blocks = {} if block is None else {"q_block": block, "kv_block": block}
     p = roofline.predict(impl, spec, chip_name, mode, precision=precision, **blocks)

@@ -10,12 +10,14 @@ import pytest
 
 from tpuattn.measure import aot, slices
 
-pytestmark = pytest.mark.skipif(not aot.tpu_available(), reason="needs libtpu (the compile stage installs it)")
+pytestmark = pytest.mark.skipif(not aot.tpu_available(),
+                                reason="needs libtpu (the compile stage installs it)")
 
 
 @pytest.fixture(scope="module")
 def rows():
-    return {strategy: slices.slice_row("v5e:2x2", strategy, "fwd", 16384) for strategy in ("ring", "allgather")}
+    return {strategy: slices.slice_row("v5e:2x2", strategy, "fwd", 16384)
+            for strategy in ("ring", "allgather")}
 
 
 def test_the_ring_compiles_to_permutes_the_compiler_overlaps(rows):

@@ -39,10 +39,10 @@ HLO = """\
 
 ENTRY %main (p: bf16[4]) -> bf16[4] {
   %p = bf16[4]{0} parameter(0)
-  %cp-start = (bf16[4]{0}, bf16[4]{0}, u32[]{:S(2)}) collective-permute-start(%p), source_target_pairs={{0,1}}
+  %cp-start = (bf16[4]{0}, bf16[4]{0}, u32[]{:S(2)}) collective-permute-start(%p)
   %fusion.1 = bf16[4]{0} fusion(%p), kind=kLoop, calls=%region
   %cp-done = bf16[4]{0} collective-permute-done(%cp-start)
-  %cp-start.1 = (bf16[4]{0}, bf16[4]{0}, u32[]{:S(2)}) collective-permute-start(%cp-done), source_target_pairs={{0,1}}
+  %cp-start.1 = (bf16[4]{0}, bf16[4]{0}, u32[]{:S(2)}) collective-permute-start(%cp-done)
   %cp-done.1 = bf16[4]{0} collective-permute-done(%cp-start.1)
   %ag = bf16[8]{0} all-gather(%cp-done.1), dimensions={0}
   ROOT %r = bf16[4]{0} slice(%ag), slice={[0:4]}

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from tpuattn import api, bench, chips, roofline
+from tpuattn.model import published
 from tpuattn.model.roofline import GIB, MIB
 from tpuattn.pallas import blocks
 from tpuattn.spec import spec_from_shapes
@@ -268,55 +269,22 @@ def test_bad_arguments():
 
 
 # ---------------------------------------------------------------------------- published measurements
-# Times measured on real TPUs and published, each with its configuration. The roofline is a lower
-# bound, so for the same work on the same chip it must never predict slower. No constant of the
-# model was fitted to any of these. ``model``: the registered implementation whose schedule is the
-# measured program's (JAX's splash kernel is ``splash``; JAX's Pallas flash kernel and axlearn's are the
-# same flash schedule, modelled with splash's record at the blocks they ran; plain XLA attention is
-# the materialised schedule of ``reference``).
-PUBLISHED = [
-    # (source, chip, model, batch, heads, seq, head_dim, dtype, causal, mode, blocks, precision, seconds)
-    ("marin-community/marin .agents/logbooks/splash-prefixlm-block-skipping.md (v4-8, splash, block 512)",
-     "v4", "splash", 1, 8, 8192, 128, "bfloat16", True, "fwd", 512, "highest", 1.837e-3),
-    ("same logbook, 16384 tokens", "v4", "splash", 1, 8, 16384, 128, "bfloat16", True, "fwd", 512,
-     "highest", 5.809e-3),
-    ("same logbook, v5p-8", "v5p", "splash", 1, 8, 8192, 128, "bfloat16", True, "fwd", 512, "highest",
-     1.204e-3),
-    ("same logbook, v5p-8, 16384 tokens", "v5p", "splash", 1, 8, 16384, 128, "bfloat16", True, "fwd", 512,
-     "highest", 3.297e-3),
-    ("marin-community/marin PR #6330: 20 stacked layers, per layer", "v5p", "splash", 1, 8, 8192, 128,
-     "bfloat16", True, "fwd", 512, "highest", 0.778e-3),
-    ("apple/axlearn axlearn/common/flash_attention/tpu_attention_benchmark.py (261.7b layer, v4, flash)",
-     "v4", "splash", 2, 110, 2048, 128, "bfloat16", True, "fwd", 512, "highest", 3.5e-3),
-    ("same file, forward + backward", "v4", "splash", 2, 110, 2048, 128, "bfloat16", True, "fwd+bwd", 512,
-     "highest", 18.2e-3),
-    ("same file, XLA reference (mha_reference)", "v4", "reference", 2, 110, 2048, 128, "bfloat16", True,
-     "fwd", None, "highest", 10.5e-3),
-    ("jax-ml/jax#24633: Pallas flash_attention on v5e, default 128 blocks (B=32, H=8, D=64 from the issue)",
-     "v5e", "splash", 32, 8, 4096, 64, "bfloat16", False, "fwd", 128, "highest", 144.97e-3),
-    ("jax-ml/jax#24633: the same kernel in float32 on a TPU v2-8 (one device is one TensorCore)",
-     "v2", "splash", 32, 8, 4096, 64, "float32", False, "fwd", 128, "highest", 326.28e-3),
-    # The write-up this project starts from: plain jitted softmax(QK^T)V, float32 at JAX's default
-    # precision, one head of 64, on a Colab v5e (quoted from its translation, ahastudio/til
-    # ai/flash-attention-on-tpu.md; causal not stated, and the materialised schedule computes every
-    # score either way).
-    ("Forcing Flash Attention onto a TPU (v5e, 4096 tokens)", "v5e", "reference", 1, 1, 4096, 64, "float32",
-     False, "fwd", None, "default", 0.072e-3),
-    ("Forcing Flash Attention onto a TPU (v5e, 16384 tokens)", "v5e", "reference", 1, 1, 16384, 64,
-     "float32", False, "fwd", None, "default", 4.445e-3),
-]
+# Times measured on real TPUs and published (tpuattn.model.published, with their sources). The roofline
+# is a lower bound, so for the same work on the same chip it must never predict slower. No constant of
+# the model was fitted to any of these.
+RUN_IDS = [f"{r.chip}-{r.impl}-{r.seq_len}-{r.mode}-{r.precision}" for r in published.RUNS]
 
 
-@pytest.mark.parametrize("case", PUBLISHED, ids=[f"{c[1]}-{c[2]}-{c[5]}-{c[9]}-{c[11]}" for c in PUBLISHED])
-def test_roofline_never_predicts_slower_than_a_published_measurement(case):
-    source, chip, model, batch, heads, seq, head_dim, dtype, causal, mode, block, precision, seconds = case
-    spec = roofline.problem(seq, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, causal=causal)
-    blocks_kw = {} if block is None else {"q_block": block, "kv_block": block}
-    predicted = roofline.predict(model, spec, chip, mode, precision=precision, **blocks_kw)
-    assert predicted.time_s <= seconds, f"{source}: modelled {predicted.time_s * 1e3:.3f} ms > measured " \
-                                        f"{seconds * 1e3:.3f} ms"
+@pytest.mark.parametrize("run", published.RUNS, ids=RUN_IDS)
+def test_roofline_never_predicts_slower_than_a_published_measurement(run):
+    spec = roofline.problem(run.seq_len, batch=run.batch, heads=run.heads, head_dim=run.head_dim,
+                            dtype=run.dtype, causal=run.causal)
+    blocks_kw = {} if run.block is None else {"q_block": run.block, "kv_block": run.block}
+    predicted = roofline.predict(run.impl, spec, run.chip, run.mode, precision=run.precision, **blocks_kw)
+    assert predicted.time_s <= run.seconds, f"{run.source}: modelled {predicted.time_s * 1e3:.3f} ms > " \
+                                            f"measured {run.seconds * 1e3:.3f} ms"
     # ... and it bounds something: at least a few percent of the measured time.
-    assert predicted.time_s >= 0.02 * seconds, source
+    assert predicted.time_s >= 0.02 * run.seconds, run.source
 
 
 def test_the_auto_rules_compiled_evidence_holds():
