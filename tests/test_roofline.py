@@ -302,3 +302,14 @@ def test_the_auto_rules_compiled_evidence_holds():
                    for t in (2048, 8192, 32768))
     assert rows["v2", "splash", "fwd", 2048]["status"] == "unsupported"
     assert rows["v2", "xla", "fwd", 2048]["status"] == "ok"
+
+
+def test_the_splash_rule_docstring_matches_the_model():
+    # splash_auto_rank's docstring states where the flash schedule turns compute bound; hold it to that.
+    for chip in ("v4", "v5e", "v5p"):
+        bounds = {t: roofline.predict("splash", roofline.problem(t, heads=8, head_dim=128, dtype="bfloat16",
+                                                                 causal=True), chip, "fwd").bound
+                  for t in (2048, 4096)}
+        assert bounds == {2048: "memory", 4096: "compute"}, chip
+    assert roofline.predict("splash", roofline.problem(8192, heads=8, head_dim=128, dtype="bfloat16",
+                                                       causal=True), "v6e", "fwd").bound == "memory"

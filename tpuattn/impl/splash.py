@@ -270,8 +270,10 @@ def splash_auto_rank(spec, backend: str) -> float | None:
     forward + backward, one device): splash compiles on every chip from v4 to tpu7x and needs a
     fraction of ``xla``'s HBM (v5e at 8192 tokens: 97 MiB against 4256 MiB), and at 32768 tokens
     ``xla`` runs out of HBM on v4, v5e and v6e while splash needs under 1 GiB. On v2/v3 it refuses
-    bf16 (``supports``), so ``auto`` falls back to ``xla`` there. Modelled: the flash schedule at its
-    512 x 512 tiles is compute bound on every chip from about 512 keys (notebook 05).
+    bf16 (``supports``), so ``auto`` falls back to ``xla`` there. Modelled (notebook 05; bf16, causal,
+    8 heads x 128, forward): the flash schedule at its 512 x 512 tiles is memory bound up to 2048
+    tokens on v4, v5e and v5p and compute bound from 4096; on v6e, whose ridge point is above 512
+    FLOP/byte, it stays memory bound at 512 x 512. The choice rests on memory (above), not speed.
     """
     if backend != "tpu":
         return None
