@@ -20,38 +20,20 @@ lengths (ragged: uniform in [1, capacity], fixed seed):
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tpuattn import decode
-from tpuattn.decode import roofline
+from tpuattn.decode import plain_decode, roofline
+from tpuattn.measure.timing import time_jitted
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 8, 2, 128, 64
 
 
-def jnp_decode(q, k, v, lengths):
-    """The straightforward decode: contiguous cache, every slot scored, masked by length."""
-    b, _, h, d = q.shape
-    g = h // k.shape[2]
-    s = jnp.einsum("bkgd,bskd->bkgs", q[:, 0].reshape(b, -1, g, d), k, precision="highest") / np.sqrt(d)
-    s = jnp.where(jnp.arange(k.shape[1])[None, None, None] < lengths[:, None, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(lengths[:, None, None, None] > 0, p, 0.0)
-    return jnp.einsum("bkgs,bskd->bkgd", p, v, precision="highest").reshape(b, 1, h, d)
-
-
 def median_time(fn, *args, repeats=7):
-    jax.block_until_ready(fn(*args))  # compile (excluded)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time_jitted(fn, *args, repeats=repeats).median_s  # compile excluded
 
 
 def inputs(capacity, ragged, rng):
@@ -77,7 +59,7 @@ def main():
     rng = np.random.default_rng(0)
     reference = jax.jit(lambda q, k, v, lengths, table: decode.attention(
         q, k, v, lengths, page_table=table, impl="reference"))
-    plain = jax.jit(jnp_decode)
+    plain = jax.jit(plain_decode)
     print(f"decode step: batch {BATCH}, heads {HEADS}/{KV_HEADS} (group {HEADS // KV_HEADS}), head_dim "
           f"{HEAD_DIM}, float32, q_len 1, pages of {PAGE}; JAX {jax.__version__}")
     print(f"measured on {backend} (median wall time, compile excluded) | pallas kernel schedule (its own "

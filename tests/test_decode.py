@@ -354,3 +354,21 @@ def test_roofline_counts_the_valid_cache_and_group_times_q_len_flops_per_byte_pa
     assert r.crossover_q_len == pytest.approx(r.ridge * 2 / (2 * 4))
     windowed = roofline.decode_roofline([4096], q_len=1, heads=8, kv_heads=8, head_dim=128, window_left=255)
     assert windowed.cache_bytes == 256 * 2 * 8 * 128 * 2
+
+
+def test_plain_decode_baseline_matches_the_oracle():
+    # The benchmark's and notebook 07's baseline: contiguous cache, q_len 1, masked by length.
+    from oracle import oracle_attention
+
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((3, 1, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((3, 20, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((3, 20, 2, 16)).astype(np.float32)
+    lengths = np.array([20, 7, 0], np.int32)
+    got = np.asarray(decode.plain_decode(*(jnp.asarray(x) for x in (q, k, v, lengths))))
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert not got[b].any()
+            continue
+        want = oracle_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal=True)
+        np.testing.assert_allclose(got[b:b + 1], want, atol=2e-5, rtol=2e-5)

@@ -18,7 +18,9 @@ and time per chip (modelled numbers).
 
 from tpuattn.decode.api import attention, choose, get_implementation, implementations, known_implementations
 from tpuattn.decode.kernel import merge_partials, schedule
+from tpuattn.decode.reference import plain_decode
 from tpuattn.decode.spec import DecodeSpec, decode_spec_from_shapes, make_decode_spec
 
 __all__ = ["DecodeSpec", "attention", "choose", "decode_spec_from_shapes", "get_implementation",
-           "implementations", "known_implementations", "make_decode_spec", "merge_partials", "schedule"]
+           "implementations", "known_implementations", "make_decode_spec", "merge_partials", "plain_decode",
+           "schedule"]

@@ -53,3 +53,19 @@ def reference_decode(q, k_cache, v_cache, lengths, page_table, spec, **options):
 register("reference", reference_decode,
          description="gather pages, mask, materialised float32 softmax (jax.numpy, XLA)",
          auto_rank=lambda spec, backend: 0.0 if backend != "tpu" else 10.0)
+
+
+def plain_decode(q, k_cache, v_cache, lengths):
+    """The straightforward decode a benchmark compares against (not registered): ``q_len`` 1, a
+    contiguous cache ``[B, S, Hk, D]``, every slot scored and masked by ``lengths``, softmax by
+    ``jax.nn.softmax``; a sequence of length 0 gives zeros. No window, no softcap, scale 1/sqrt(D)."""
+    import jax
+
+    b, _, h, d = q.shape
+    group = h // k_cache.shape[2]
+    s = jnp.einsum("bkgd,bskd->bkgs", q[:, 0].reshape(b, -1, group, d), k_cache, precision="highest")
+    s = s / jnp.sqrt(jnp.float32(d))
+    valid = jnp.arange(k_cache.shape[1])[None, None, None] < lengths[:, None, None, None]
+    p = jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1)
+    p = jnp.where(lengths[:, None, None, None] > 0, p, 0.0)
+    return jnp.einsum("bkgs,bskd->bkgd", p, v_cache, precision="highest").reshape(b, 1, h, d)

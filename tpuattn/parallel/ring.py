@@ -121,6 +121,28 @@ def _segs(q_seg, kv_seg):
     return None if q_seg is None else (q_seg, kv_seg)
 
 
+def _ring_loop(cfg: _Ring, step, carry, held, after=None):
+    """``carry = step(s, carry, held)`` for every ring step ``s``, the held K/V block passed on to the
+    next device between steps.
+
+    A loop, not ``plan.steps`` unrolled copies: unrolled, the compiler is free to issue every send
+    at the start (it did: the compiled program then held every device's K/V at once, the memory the
+    ring exists to avoid); in a loop only the block being used and the one in flight are live. Each
+    iteration issues its send before its work, which does not depend on it, so the two can overlap.
+    ``after(carry)`` runs at the end of every step but the last (the backward sends its gradient
+    accumulators on there). The last step runs after the loop: nothing is sent after it.
+    """
+
+    def body(s, state):
+        carry, held = state
+        upcoming = _ppermute(held, cfg.axis, cfg.plan.n, 1)
+        carry = step(s, carry, held)
+        return (after(carry) if after else carry), upcoming
+
+    carry, held = lax.fori_loop(0, cfg.plan.steps - 1, body, (carry, held))
+    return step(cfg.plan.steps - 1, carry, held)
+
+
 # --------------------------------------------------------------------------- ring: forward
 def _ring_forward(cfg: _Ring, q, k, v, q_seg, kv_seg):
     plan, ops, c = cfg.plan, cfg.ops, cfg.plan.chunks
@@ -135,18 +157,18 @@ def _ring_forward(cfg: _Ring, q, k, v, q_seg, kv_seg):
         return lambda state, q, k, v, segs: merge(state, ops.forward(q, k, v, segs, spec, **cfg.kwargs))
 
     branches = [compute(spec) for spec in plan.specs] + [lambda state, q, k, v, segs: state]
-    held = (k, v, kv_seg)
-    for s in range(plan.steps):
-        # Issue the next step's transfer first: it does not depend on this step's work.
-        upcoming = _ppermute(held, cfg.axis, plan.n, 1) if s + 1 < plan.steps else None
+    def step(s, states, held):
         ks, vs = _split(held[0], c, 1), _split(held[1], c, 1)
         kv_segs = _split(held[2], c, 1) if cfg.has_segments else [None] * c
+        states = list(states)
         for i in range(c):
             for j in range(c):
                 idx = _branch_index(cfg, table, s, i, j, q_segs[i], kv_segs[j])
                 states[i] = lax.switch(idx, branches, states[i], qs[i], ks[j], vs[j],
                                        _segs(q_segs[i], kv_segs[j]))
-        held = upcoming
+        return states
+
+    states = _ring_loop(cfg, step, states, (k, v, kv_seg))
     out = _join([st[0] for st in states], 1)
     m = _join([st[1] for st in states], 2)
     log_l = _join([st[2] for st in states], 2)
@@ -176,17 +198,17 @@ def _ring_backward(cfg: _Ring, residuals, d_out):
 
     skip_rows = lambda acc, q, k, v, segs, m, log_l, do: acc
     branches = [row_sums(spec) for spec in plan.specs] + [skip_rows]
-    deltas = [zeros(x.shape) for x in ms]
-    held = (k, v, kv_seg)
-    for s in range(plan.steps):
-        upcoming = _ppermute(held, cfg.axis, n, 1) if s + 1 < plan.steps else None
+    def delta_step(s, deltas, held, branches=branches):
         ks, vs, kv_segs = held_chunks(held)
+        deltas = list(deltas)
         for i in range(c):
             for j in range(c):
                 idx = _branch_index(cfg, table, s, i, j, q_segs[i], kv_segs[j])
                 deltas[i] = lax.switch(idx, branches, deltas[i], qs[i], ks[j], vs[j],
                                        _segs(q_segs[i], kv_segs[j]), ms[i], logs[i], dos[i])
-        held = upcoming
+        return deltas
+
+    deltas = _ring_loop(cfg, delta_step, [zeros(x.shape) for x in ms], (k, v, kv_seg))
 
     # Ring 2: dQ stays home; dK/dV travel with their K/V and are sent home after the last step.
     def grads(spec):
@@ -197,11 +219,8 @@ def _ring_backward(cfg: _Ring, residuals, d_out):
         return add
 
     branches = [grads(spec) for spec in plan.specs] + [lambda acc, *_: acc]
-    dqs = [zeros(x.shape) for x in qs]
-    held = (k, v, kv_seg)
-    dk_acc, dv_acc = zeros(k.shape), zeros(v.shape)
-    for s in range(plan.steps):
-        upcoming = _ppermute(held, cfg.axis, n, 1) if s + 1 < plan.steps else None
+    def grad_step(s, carry, held, branches=branches):
+        dqs, (dk_acc, dv_acc) = list(carry[0]), carry[1]
         ks, vs, kv_segs = held_chunks(held)
         dks, dvs = _split(dk_acc, c, 1), _split(dv_acc, c, 1)
         for i in range(c):
@@ -211,13 +230,16 @@ def _ring_backward(cfg: _Ring, residuals, d_out):
                 dqs[i], dks[j], dvs[j] = lax.switch(idx, branches, acc, qs[i], ks[j], vs[j],
                                                     _segs(q_segs[i], kv_segs[j]), ms[i], logs[i], dos[i],
                                                     deltas[i])
-        dk_acc, dv_acc = _join(dks, 1), _join(dvs, 1)
-        # The accumulators follow their K/V to the next device; after the last step, straight home
-        # (they are then ``steps - 1`` devices downstream).
-        shift = 1 if s + 1 < plan.steps else -(plan.steps - 1)
-        if shift % n:
-            dk_acc, dv_acc = _ppermute((dk_acc, dv_acc), cfg.axis, n, shift)
-        held = upcoming
+        return dqs, (_join(dks, 1), _join(dvs, 1))
+
+    # The accumulators follow their K/V to the next device after every step but the last; after it
+    # they are ``steps - 1`` devices downstream, and go straight home.
+    send_on = lambda carry: (carry[0], _ppermute(carry[1], cfg.axis, n, 1))
+    dqs, (dk_acc, dv_acc) = _ring_loop(cfg, grad_step, ([zeros(x.shape) for x in qs],
+                                                         (zeros(k.shape), zeros(v.shape))),
+                                       (k, v, kv_seg), after=send_on)
+    if (plan.steps - 1) % n:
+        dk_acc, dv_acc = _ppermute((dk_acc, dv_acc), cfg.axis, n, -(plan.steps - 1))
     return (_join(dqs, 1).astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype))
 
 
