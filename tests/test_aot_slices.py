@@ -24,9 +24,10 @@ def test_the_ring_compiles_to_permutes_the_compiler_overlaps(rows):
     ring = rows["ring"]
     assert ring["status"] == "ok", ring["error"]
     assert ring["devices"] == 4
-    # K and V sent at each of the 3 steps after the first; nothing gathered.
-    assert ring["collective_permutes"] == 6 and ring["all_gathers"] == 0
-    assert ring["async_collectives"] == 6
+    # The ring's loop sends K and V on once per iteration; nothing is gathered. The sends are
+    # asynchronous and the compiler schedules work inside them.
+    assert ring["collective_permutes"] >= 2 and ring["all_gathers"] == 0
+    assert ring["async_collectives"] == ring["collective_permutes"]
     assert ring["overlapped_collectives"] >= 1
 
 
@@ -40,7 +41,7 @@ def test_committed_slice_report_shows_what_the_notebook_reads():
     report = slices.committed()
     assert report["command"].startswith("python -m tpuattn.aot --slices")
     rows = report["rows"]
-    assert {r["topology"] for r in rows} == set(slices.SLICES)
+    assert set(slices.SLICES) <= {r["topology"] for r in rows}
     for topology in slices.SLICES:
         for strategy in ("ring", "allgather"):
             mine = [r for r in rows if r["topology"] == topology and r["strategy"] == strategy
@@ -50,3 +51,7 @@ def test_committed_slice_report_shows_what_the_notebook_reads():
                       and r["strategy"] == "ring" and r["mode"] == "fwd" and r["status"] == "ok")
         # Memory per device grows with the sequence: the ring holds T / n of it.
         assert all(a[1] < b[1] for a, b in zip(ring, ring[1:], strict=False))
+    # Twice the chips at the same length: the ring's memory per device about halves.
+    per_n = {r["devices"]: r["peak_hbm_bytes"] for r in rows if r["chip"] == "v5e" and r["strategy"] == "ring"
+             and r["seq_len"] == 131072 and r["mode"] == "fwd" and r["status"] == "ok"}
+    assert 0.4 < per_n[8] / per_n[4] < 0.6

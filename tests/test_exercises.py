@@ -149,3 +149,13 @@ def test_the_notebook_check_accepts_the_convention_and_names_what_breaks_it():
                                  path)
     with pytest.raises(AssertionError, match="source_hidden"):
         check_notebook_exercises(_notebook(nbformat, hidden=False), path)
+
+
+def test_a_check_that_cannot_run_here_says_why(capsys):
+    from tpuattn.exercises import NotCheckable
+
+    def unavailable():
+        raise NotCheckable("needs JAX >= 0.8")
+
+    assert run_checks({"1": unavailable}) == {"1": None}
+    assert "exercise 1: cannot be checked on this installation (needs JAX >= 0.8)" in capsys.readouterr().out
