@@ -67,12 +67,17 @@ class RingPlan:
     def skip(self) -> int:
         return len(self.specs)
 
+    # Hashable and comparable by value (it is a static argument of the ring's custom VJP); the numpy
+    # tables compare by content. ``work`` and ``kv_origin`` follow from the rest.
+    def _key(self):
+        return (self.n, self.chunks, self.q_chunk, self.kv_chunk, self.specs, self.steps,
+                self.branch.tobytes())
+
     def __hash__(self):
-        return hash((self.n, self.chunks, self.q_chunk, self.kv_chunk, self.specs, self.branch.tobytes(),
-                     self.steps))
+        return hash(self._key())
 
     def __eq__(self, other):
-        return isinstance(other, RingPlan) and hash(self) == hash(other)
+        return isinstance(other, RingPlan) and self._key() == other._key()
 
 
 def _visible_count(spec: AttentionSpec) -> int:
