@@ -458,8 +458,8 @@ for name in ("v4", "v5e", "v5p", "v6e", "tpu7x"):
 # %% [markdown]
 # The `[block_q, block_kv]` float32 temporaries grow fastest (12 bytes per score): doubling both
 # blocks quadruples them, and from 512 x 512 on they are most of the total. Bigger blocks mean fewer
-# grid steps (each costs ~0.35 us of pipeline overhead, per the Pallas TPU matmul guide) and fewer K/V
-# re-reads (below), until VMEM runs out.
+# grid steps (each carries a fixed pipeline overhead and smaller blocks mean more "bubbles", as the
+# Pallas TPU matmul guide explains) and fewer K/V re-reads (below), until VMEM runs out.
 #
 # ## Step 4 · Masks and block skipping
 #
