@@ -182,13 +182,24 @@ def compile_for(chip_name: str, fn, args):
         return jax.jit(fn).lower(*placed).compile()
 
 
-def compiled_facts(compiled) -> dict:
-    """What the compiler says about a compiled program: memory, cost and HLO counts."""
+def memory_facts(compiled) -> dict:
+    """A compiled program's HBM per device: arguments, outputs, temporaries and their sum (its peak)."""
     memory = compiled.memory_analysis()
     parts = {key: getattr(memory, f"{key}_size_in_bytes", None) for key in ("argument", "output", "temp")}
-    facts = dict(argument_bytes=parts["argument"], output_bytes=parts["output"], temp_bytes=parts["temp"],
-                 peak_hbm_bytes=sum(v for v in parts.values() if v is not None),
-                 flops=None, bytes_accessed=None, optimal_seconds=None)
+    return dict(argument_bytes=parts["argument"], output_bytes=parts["output"], temp_bytes=parts["temp"],
+                peak_hbm_bytes=sum(v for v in parts.values() if v is not None))
+
+
+def compile_failure(error: BaseException) -> dict:
+    """``status`` and ``error`` of a compile the compiler refused: ``out_of_memory`` for its own HBM
+    verdict, ``compile_error`` for anything else."""
+    message = first_error_line(error)
+    return dict(status="out_of_memory" if HBM_OOM in message else "compile_error", error=message)
+
+
+def compiled_facts(compiled) -> dict:
+    """What the compiler says about a compiled program: memory, cost and HLO counts."""
+    facts = dict(memory_facts(compiled), flops=None, bytes_accessed=None, optimal_seconds=None)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     if cost:
@@ -247,9 +258,7 @@ def compile_row(chip_name: str, impl: str, mode: str, problem: Problem, options:
         row.update(status="unsupported", error=str(error))
         return row
     except Exception as error:  # noqa: BLE001 - the compiler's own errors have many types
-        message = first_error_line(error)
-        row.update(status="out_of_memory" if HBM_OOM in message else "compile_error", error=message,
-                   compile_s=time.perf_counter() - start)
+        row.update(compile_failure(error), compile_s=time.perf_counter() - start)
         return row
     row["compile_s"] = time.perf_counter() - start
     row.update(status="ok", **compiled_facts(compiled))

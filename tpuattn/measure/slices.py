@@ -21,7 +21,7 @@ import re
 import time
 from pathlib import Path
 
-from tpuattn.measure.aot import HBM_OOM, _topology, _versions, first_error_line
+from tpuattn.measure.aot import _topology, _versions, compile_failure, memory_facts
 
 REPORT = Path(__file__).with_name("compiled_slices.json")
 LABEL = "compiled for a TPU slice (not run)"
@@ -108,16 +108,10 @@ def slice_row(topology: str, strategy: str, mode: str, seq_len: int, *, layout: 
         with chips.target(chip):
             compiled = jax.jit(fn).lower(q, kv, kv).compile()
     except Exception as error:  # noqa: BLE001 - the compiler's own errors have many types
-        message = first_error_line(error)
-        row.update(status="out_of_memory" if HBM_OOM in message else "compile_error", error=message,
-                   compile_s=time.perf_counter() - start)
+        row.update(compile_failure(error), compile_s=time.perf_counter() - start)
         return row
     row["compile_s"] = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    parts = {key: getattr(memory, f"{key}_size_in_bytes") for key in ("argument", "output", "temp")}
-    row.update(status="ok", argument_bytes=parts["argument"], output_bytes=parts["output"],
-               temp_bytes=parts["temp"], peak_hbm_bytes=sum(parts.values()),
-               **collectives(compiled.as_text()))
+    row.update(status="ok", **memory_facts(compiled), **collectives(compiled.as_text()))
     return row
 
 
