@@ -332,29 +332,61 @@ def _shape_of(name: str, x) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
-def dense_segment_ids(q_seg, kv_seg):
-    """Segment ids as int32 that compare equal exactly when the originals do.
+def _fits_int32(dtype) -> bool:
+    info = np.iinfo(dtype)
+    return info.min >= np.iinfo(np.int32).min and info.max <= np.iinfo(np.int32).max
 
-    Ids that already fit int32 pass through. Wider ones (int64/uint64, e.g. hashes of document
-    ids) would collide after a plain cast (0 and 2**32 both become 0), so each batch row's ids are
-    replaced by their rank among the row's distinct ids: an int32 that keeps every equality.
+
+def dense_segment_ids(q_seg, kv_seg):
+    """Segment ids as int32 that compare equal exactly when the originals' integer *values* do.
+
+    Ids whose dtypes both fit int32 (int8/16/32, uint8/16) are cast. Otherwise (uint32, int64,
+    uint64, or two different widths) a plain cast would make different values collide (int64 0
+    and 2**32 both become 0; int32 -1 and uint32 4294967295 share their bits), so each batch row's
+    ids are replaced by their rank among the row's distinct values: an int32 that keeps every
+    equality and no other.
     """
     import jax.numpy as jnp
 
-    wide = np.dtype(q_seg.dtype).itemsize > 4 or np.dtype(kv_seg.dtype).itemsize > 4
-    if not wide:
+    q_dtype, kv_dtype = np.dtype(q_seg.dtype), np.dtype(kv_seg.dtype)
+    if _fits_int32(q_dtype) and _fits_int32(kv_dtype):
         return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
     xp = np if isinstance(q_seg, np.ndarray) and isinstance(kv_seg, np.ndarray) else jnp
     q_len = q_seg.shape[1]
-    both = xp.concatenate([xp.asarray(q_seg), xp.asarray(kv_seg).astype(q_seg.dtype)], axis=1)
-    order = xp.argsort(both, axis=1)
-    ordered = xp.take_along_axis(both, order, axis=1)
-    starts = xp.concatenate([xp.zeros_like(ordered[:, :1], dtype=bool), ordered[:, 1:] != ordered[:, :-1]],
-                            axis=1)
+    import jax
+
+    keys = _value_keys(q_dtype, kv_dtype, wide=xp is np or jax.config.jax_enable_x64)
+    both = [xp.concatenate([key(xp.asarray(q_seg)), key(xp.asarray(kv_seg))], axis=1) for key in keys]
+    # Rank by the keys, the first most significant: stable sorts from the least significant key.
+    order = None
+    for key in reversed(both):
+        keyed = key if order is None else xp.take_along_axis(key, order, axis=1)
+        step = xp.argsort(keyed, axis=1, stable=True)
+        order = step if order is None else xp.take_along_axis(order, step, axis=1)
+    changes = None
+    for key in both:
+        ordered = xp.take_along_axis(key, order, axis=1)
+        differs = ordered[:, 1:] != ordered[:, :-1]
+        changes = differs if changes is None else xp.logical_or(changes, differs)
+    starts = xp.concatenate([xp.zeros_like(changes[:, :1]), changes], axis=1)
     ranks_sorted = xp.cumsum(starts.astype(np.int32), axis=1, dtype=np.int32)
     inverse = xp.argsort(order, axis=1)
     ranks = xp.take_along_axis(ranks_sorted, inverse, axis=1)
     return jnp.asarray(ranks[:, :q_len], jnp.int32), jnp.asarray(ranks[:, q_len:], jnp.int32)
+
+
+def _value_keys(a, b, wide: bool) -> tuple:
+    """Functions of an id array whose results, taken together, are equal exactly when the values are.
+
+    One cast to the common integer dtype when NumPy's promotion gives one (it holds both ranges);
+    for uint64 beside a signed dtype (no integer dtype holds both) two keys: "is non-negative",
+    then the value's bits as an unsigned integer (a negative id never equals an unsigned one). JAX
+    arrays without ``jax_enable_x64`` are at most 32 bits wide, so there the bits are a uint32."""
+    common = np.promote_types(a, b)
+    if np.issubdtype(common, np.integer) and (wide or common.itemsize <= 4):
+        return (lambda x: x.astype(common),)
+    bits = np.uint64 if wide else np.uint32
+    return (lambda x: (x >= 0).astype(np.int32), lambda x: x.astype(bits))
 
 
 def _normalise_segments(segment_ids, batch: int, q_len: int, kv_len: int):
