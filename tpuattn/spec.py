@@ -332,7 +332,7 @@ def _shape_of(name: str, x) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
-def _fits_int32(dtype) -> bool:
+def fits_int32(dtype) -> bool:
     info = np.iinfo(dtype)
     return info.min >= np.iinfo(np.int32).min and info.max <= np.iinfo(np.int32).max
 
@@ -349,7 +349,7 @@ def dense_segment_ids(q_seg, kv_seg):
     import jax.numpy as jnp
 
     q_dtype, kv_dtype = np.dtype(q_seg.dtype), np.dtype(kv_seg.dtype)
-    if _fits_int32(q_dtype) and _fits_int32(kv_dtype):
+    if fits_int32(q_dtype) and fits_int32(kv_dtype):
         return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
     xp = np if isinstance(q_seg, np.ndarray) and isinstance(kv_seg, np.ndarray) else jnp
     q_len = q_seg.shape[1]

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from tpuattn._checks import round_up
-from tpuattn.spec import SUPPORTED_DTYPES, AttentionSpec, spec_from_shapes
+from tpuattn.spec import SUPPORTED_DTYPES, AttentionSpec, fits_int32, spec_from_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +136,18 @@ def _concrete(x) -> np.ndarray | None:
         return None
 
 
+def _clip_int32(x, high: int):
+    """``x`` clipped into ``[0, high]`` as int32, with no value wrapping on the way: a narrow dtype
+    is widened before the clip (``jnp.clip`` of int8 ids to 1000 would wrap the bound), a wide or
+    unsigned one is clipped in its own dtype, which holds ``high``, before the cast."""
+    import jax.numpy as jnp
+
+    x = jnp.asarray(x)
+    if fits_int32(x.dtype):
+        return jnp.clip(x.astype(jnp.int32), 0, high)
+    return jnp.clip(x, 0, high).astype(jnp.int32)
+
+
 def make_decode_spec(q, k_cache, v_cache, lengths, page_table=None, *, scale=None, window=None,
                      softcap=None):
     """Validate a decode call's inputs; return ``(q, k_cache, v_cache, lengths, page_table, spec)``.
@@ -203,17 +215,20 @@ def make_decode_spec(q, k_cache, v_cache, lengths, page_table=None, *, scale=Non
         raise ValueError(f"lengths: expected values in [0, {capacity}] (the cache capacity), got {bad}")
     if paged:
         table = _concrete(page_table)
-        if table is not None:
-            used = np.ones(table.shape, bool)
-            if known is not None:  # only the pages a sequence uses are read
-                used = np.arange(pages_per_sequence)[None, :] < -(-known[:, None] // page_size)
+        # Only the pages a sequence uses are read, and which those are depends on its length: with
+        # lengths traced under jit no entry is known to be in use (unused entries may hold anything,
+        # -1 by convention), so the page ids are clamped, not checked. Lengths are in range here, so
+        # they fit int64 whatever their dtype (uint8 or uint32 lengths would wrap in -(-n // size)).
+        if table is not None and known is not None:
+            pages_used = -(-known.astype(np.int64)[:, None] // page_size)
+            used = np.arange(pages_per_sequence)[None, :] < pages_used
             bad = used & ((table < 0) | (table >= num_pages))
             if bad.any():
                 b, i = (int(x) for x in np.argwhere(bad)[0])
                 raise ValueError(f"page_table: expected page ids in [0, {num_pages}) for the pages in use, "
                                  f"got {int(table[b, i])} at [{b}, {i}]")
-        page_table = jnp.clip(jnp.asarray(page_table, jnp.int32), 0, num_pages - 1)
-    lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, capacity)
+        page_table = _clip_int32(page_table, num_pages - 1)
+    lengths = _clip_int32(lengths, capacity)
 
     attn = spec_from_shapes(q_len, capacity, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, dtype=dtype, causal=True, window=window, softcap=softcap,
