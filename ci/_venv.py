@@ -85,7 +85,10 @@ class Env:
         if self.path.exists():
             shutil.rmtree(self.path)
         _run([sys.executable, "-m", "venv", str(self.path)])
-        pip = [str(self.python), "-m", "pip", "--disable-pip-version-check", "install", "--quiet"]
+        # --no-compile: no bytecode for the thousands of installed files nothing imports (tests,
+        # unused submodules); Python writes it for the modules that are imported, on first import.
+        pip = [str(self.python), "-m", "pip", "--disable-pip-version-check", "install", "--quiet",
+               "--no-compile"]
         if os.environ.get("CI"):
             pip.append("--progress-bar=off")
         _run([*pip, "-r", str(self.pins)])

@@ -17,8 +17,9 @@ Two passes:
    the landing page and each notebook page, desktop (1280 wide) and phone (390 wide), go to
    ``out/book/screenshots/``.
 
-Exits 1 with the list of problems. Without chromium it fails with the command that installs it, and
-installs it itself when running as root under CI.
+Exits 1 with the list of problems. Without chromium, as root (in CI or not) it installs Debian's
+``chromium`` and ``chromium-driver`` itself (``apt-get install -y``, after ``apt-get update`` when the
+package lists do not have them); as any other user it fails with the command that installs them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import _venv  # noqa: E402
 
 ROOT = _venv.ROOT
 CHROMIUM = Path("/usr/bin/chromium")
-INSTALL = "apt-get install chromium"
+PACKAGES = ("chromium", "chromium-driver")  # Debian's; the driver keeps the two at one version
+INSTALL = f"sudo apt-get install -y {' '.join(PACKAGES)}"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 SEARCH_WORD = "softmax"
 VIEWPORTS = {"desktop": (1280, 800), "phone": (390, 844)}
@@ -150,17 +152,35 @@ def check_figures(site: Path) -> list[str]:
 # Pass 2: chromium
 
 
-def ensure_chromium() -> Path:
+def is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def chromium_problem(run=subprocess.run) -> str | None:
+    """None once ``/usr/bin/chromium`` exists, installing it first when this runs as root; else what
+    to install. As root: ``apt-get install -y chromium chromium-driver``, and when that fails (package
+    lists missing or stale, as on a fresh container) ``apt-get update`` and the install again."""
     if CHROMIUM.exists():
-        return CHROMIUM
-    if os.environ.get("CI") and hasattr(os, "geteuid") and os.geteuid() == 0:
-        print(f"[browser] {CHROMIUM} missing: running apt-get install chromium (CI, root)", flush=True)
-        subprocess.run(["apt-get", "update", "-qq"], check=False)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=False,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        if CHROMIUM.exists():
-            return CHROMIUM
-    sys.exit(f"[browser] FAILED: no chromium at {CHROMIUM}. Install it with: {INSTALL}")
+        return None
+    if not is_root():
+        return f"no chromium at {CHROMIUM}, and not root to install it: run {INSTALL}"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-qq", *PACKAGES]  # with its recommended fonts, for screenshots
+    print(f"[browser] {CHROMIUM} missing: {' '.join(install)} (root)", flush=True)
+    if run(install, env=env, check=False).returncode != 0 and not CHROMIUM.exists():
+        print("[browser] the install failed: apt-get update, then the install again", flush=True)
+        run(["apt-get", "update", "-qq"], env=env, check=False)
+        run(install, env=env, check=False)
+    if CHROMIUM.exists():
+        return None
+    return f"no chromium at {CHROMIUM} after {' '.join(install)} (see apt-get's messages above)"
+
+
+def ensure_chromium() -> Path:
+    problem = chromium_problem()
+    if problem:
+        sys.exit(f"[browser] FAILED: {problem}")
+    return CHROMIUM
 
 
 def launch(playwright):

@@ -93,8 +93,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuattn.impl.common import matmul_precision
 from tpuattn.model import counts
+from tpuattn.numerics import matmul_precision
 from tpuattn.viz import grid, style
 
 style.use_style()
@@ -166,7 +166,7 @@ NT = (((1,), (1,)), ((), ()))  # dot_general dims: contract the last dim of both
 
 def one_block_kernel(q_ref, k_ref, v_ref, o_ref, *, scale):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]  # load the tiles from VMEM
-    precision = matmul_precision(q.dtype)  # full float32 passes for float32 inputs (see tpuattn.impl.common)
+    precision = matmul_precision(q.dtype)  # full float32 passes for float32 inputs (see tpuattn.numerics)
     s = jax.lax.dot_general(q, k, NT, precision=precision, preferred_element_type=jnp.float32) * scale
     m = jnp.max(s, axis=-1, keepdims=True)  # subtract the row max: exp never overflows
     p = jnp.exp(s - m)

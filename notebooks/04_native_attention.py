@@ -534,7 +534,7 @@ for length in TIMING_LENGTHS:
 # rank, and the lowest wins (so `softcap` skips `xla`, float16 skips `splash`), with `reference`
 # last:
 #
-# * **TPU**: `splash` when `q_len >= 128` and `kv_len >= 512` (`tpuattn.impl.common.long_enough_for_flash`:
+# * **TPU**: `splash` when `q_len >= 128` and `kv_len >= 512` (`tpuattn.supports.long_enough_for_flash`:
 #   below one 128-row query tile a flash kernel pads most of its tile), else `xla`, which also serves
 #   decoding (`q_len < 128`). The threshold sits below the modelled crossover printed above; the
 #   rule's docstring rests it on the compiled peak HBM (the right panel), where splash needs a

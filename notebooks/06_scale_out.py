@@ -71,7 +71,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpuattn
-from tpuattn import parallel
+from tpuattn import parallel, softmax
 from tpuattn.exercises import run_checks
 from tpuattn.measure import runtime
 
@@ -181,10 +181,12 @@ for strategy in ("allgather", "ring"):
           f"all_gather x{text.count('all_gather')}, collective_permute x{text.count('collective_permute')}")
 
 # %% [markdown]
-# The merge that makes the ring work is exactly the one of notebook 02, written for two partial
-# results over disjoint key sets: each part weighs in with its own row sum, rescaled to the larger
-# of the two maxima, so nothing overflows and a part that saw no key weighs zero
-# (`tpuattn.parallel.merge`; exercise 2 asks you to write it).
+# The merge that makes the ring work is exactly the one of notebook 02, written for partial
+# results over disjoint key sets: each part weighs in with its own row sum, rescaled to the largest
+# of the maxima, so nothing overflows and a part that saw no key weighs zero. A partial result is a
+# `tpuattn.softmax.Partial` `(out, m, log_l)` and `tpuattn.softmax.merge` merges any number of them:
+# the same merge serves the ring here and the split-K decode of notebook 07 (exercise 2 asks you to
+# write it for two parts).
 
 # %% [markdown]
 # ## 4 · The causal imbalance, and the zigzag fix
@@ -412,10 +414,11 @@ for r in rows:
 # 1. **Ring length** (★☆☆, 5 min). `ring_steps(seq_len, n, window)`: with the natural layout and a
 #    causal left window of `window` tokens, how many ring steps does some device still need?
 #    Checked against `parallel.ring_plan(...).steps`.
-# 2. **Merge two partial results** (★★☆, 15 min). `merge_two(a, b)` takes `(out, m, log_l)` of two
-#    disjoint key sets (`out [b, T, H, D]` normalised by its own row sum; `m`, `log_l` `[b, H, T]`;
-#    `m = -inf` where a part saw nothing) and returns the pair for their union. Checked against
-#    attention over all keys, including rows that see nothing in one part.
+# 2. **Merge two partial results** (★★☆, 15 min). `merge_two(a, b)` takes two `softmax.Partial`s
+#    `(out, m, log_l)` of disjoint key sets (`out [b, T, H, D]` normalised by its own row sum; `m`,
+#    `log_l` `[b, H, T]`; `m = -inf`, `log_l = 0` where a part saw nothing) and returns
+#    `(out, m, log_l)` for their union. Checked against attention over all keys and against
+#    `tpuattn.softmax.merge`, including rows that see nothing in one part.
 # 3. **A ring of your own** (★★★, 25 min). `ring_all_gather(x, axis, n)`, called inside
 #    `shard_map`, returns the concatenation of every device's block along axis 1 using only
 #    `lax.ppermute` (`n - 1` sends) — the ring that carries K/V, without the attention. Checked
@@ -458,8 +461,15 @@ def check_exercises(ring_steps, merge_two, ring_all_gather):
     def check_merge():
         want = tpuattn.attention(q, k, v, causal=True, impl="reference")
         for split in (SEQ_LEN // 2, SEQ_LEN // 8):  # the second leaves early rows empty in part 2
-            out, _, _ = merge_two(*_parts(q, k, v, split))
+            parts = _parts(q, k, v, split)
+            out, m, log_l = merge_two(*parts)
             np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5, err_msg=f"split {split}")
+            # The row statistics too: the logsumexp m + log_l of the union, as the package's merge.
+            package = softmax.merge(*parts)
+            np.testing.assert_allclose(out, package.out, atol=1e-5, rtol=1e-5, err_msg=f"out, split {split}")
+            mine = softmax.to_lse(softmax.Partial(out, m, log_l))
+            np.testing.assert_allclose(mine, softmax.to_lse(package), atol=1e-5, rtol=1e-5,
+                                       err_msg=f"m + log_l, split {split}")
 
     def check_ring():
         x = jnp.arange(N_DEVICES * 2 * 3, dtype=jnp.float32).reshape(1, N_DEVICES * 2, 3)

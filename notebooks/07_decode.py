@@ -64,13 +64,13 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 
 import tpuattn
-from tpuattn import chips, decode
+from tpuattn import chips, decode, softmax
 from tpuattn.decode import kernel as decode_kernel
-from tpuattn.decode import roofline
 from tpuattn.decode.reference import gather_cache
 from tpuattn.errors import UnsupportedInput
 from tpuattn.exercises import run_checks
 from tpuattn.measure import aot, runtime
+from tpuattn.model import decode as roofline
 from tpuattn.spec import EMPTY, FULL
 from tpuattn.viz import style
 
@@ -106,7 +106,7 @@ rng = np.random.default_rng(0)
 # i.e. `group × q_len` FLOPs per (K, V) byte pair in bf16, where `group = heads / kv_heads` (GQA).
 # The batch is not in it: every sequence reads its *own* cache, so a bigger batch adds bytes and
 # FLOPs in the same ratio. A chip stops being memory-bound at its **ridge point**, peak FLOP/s over
-# HBM bandwidth, which is in the hundreds of FLOPs per byte. `tpuattn.decode.roofline` models one step
+# HBM bandwidth, which is in the hundreds of FLOPs per byte. `tpuattn.model.decode` models one step
 # (every number below is **modelled**, a lower bound; chip figures from `tpuattn.chips`, JAX's
 # `tpu_info` table, which agrees with Google Cloud's TPU pages).
 
@@ -221,7 +221,9 @@ print("sequence 3 (length 1), query row 0 (position -1):", float(jnp.max(jnp.abs
 # partial results then merge exactly, each weighted by `exp(lse_chunk − lse_max)` — the same merge
 # as the online softmax of notebook 02 and the ring of notebook 06, now over chunks of one cache.
 # A chunk that sees no key has `lse = −inf` and weighs zero. Here is a chunk's partial in
-# `jax.numpy`, then `tpuattn.decode.merge_partials`:
+# `jax.numpy`, then the package's one merge, `tpuattn.softmax.merge`: it takes each chunk as a
+# `softmax.Partial` (`softmax.from_lse` builds one from an output and its logsumexp, whose rows the
+# package keeps as `[batch, heads, q_len]`). The kernel hands its chunks to the same merge.
 
 
 # %%
@@ -251,8 +253,8 @@ def chunk_partial(q, k, v, lengths, start, stop, scale):
 chunk = 2 * PAGE_SIZE
 parts = [chunk_partial(q, k_contig, v_contig, jnp.asarray(lengths), a, a + chunk, HEAD_DIM**-0.5)
          for a in range(0, capacity, chunk)]
-outs, lses = jnp.stack([o for o, _ in parts]), jnp.stack([s for _, s in parts])
-merged, _ = decode.merge_partials(outs, lses)
+lses = jnp.stack([s for _, s in parts])
+merged = softmax.merge(*(softmax.from_lse(o, jnp.swapaxes(s, 1, 2)) for o, s in parts)).out
 print(f"{len(parts)} chunks of {chunk} positions; chunks that saw no key, per sequence:",
       np.isneginf(np.asarray(lses)).all(axis=(2, 3)).sum(axis=0).tolist())
 print(f"merged partials vs the whole: max |diff| = {float(jnp.max(jnp.abs(merged - out_paged))):.1e}")
@@ -552,7 +554,7 @@ else:
 #    the kernel's `kv_block` for many lengths, windows and `q_len`.
 # 4. **Merge chunk partials** (★★★, 20 min). `merge(outs, lses)`: `outs [chunks, ..., d]` normalised
 #    over each chunk, `lses [chunks, ...]` (`-inf` for a chunk that saw nothing) to the output over
-#    all keys, without `decode.merge_partials`, without overflow for large logits, and with zeros
+#    all keys, without `softmax.merge`, without overflow for large logits, and with zeros
 #    (no NaN) for rows no chunk saw. Checked against the whole attention on section 2's cache, with
 #    chunks of one page and logits scaled by 100.
 

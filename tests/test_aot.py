@@ -164,6 +164,22 @@ def test_committed_report_reproduces():
 
 
 @pinned_compiler
+@pytest.mark.parametrize("kind, limit", [("report", 3), ("blocks", 1)])
+def test_reproduce_a_committed_report_finds_no_difference(kind, limit, capsys):
+    # python -m tpuattn.aot --reproduce FILE --limit N: the recorded problems, compiled again with the
+    # pinned compiler, give the recorded rows (a subset spread over the report, for time).
+    from tpuattn.measure import reports
+    from tpuattn.pallas import blocks
+
+    path = {"report": aot.REPORT, "blocks": blocks.COMPILED_TABLE}[kind]
+    with pytest.raises(SystemExit) as done:
+        reports.main(["--reproduce", str(path), "--limit", str(limit)])
+    printed = capsys.readouterr().out
+    assert done.value.code == 0, printed
+    assert printed.count(": same") == limit and printed.strip().endswith("no difference"), printed
+
+
+@pinned_compiler
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_wrappers_layout_copies_cost_at_least_what_the_model_counts(head_dim):
     # The Pallas path copies Q, K, V into [batch, heads, seq, head_dim padded to 128] and O back. The

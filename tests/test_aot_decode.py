@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import pytest
 
 from tpuattn import decode
-from tpuattn.decode import roofline
 from tpuattn.errors import UnsupportedInput
 from tpuattn.measure import aot
+from tpuattn.model import decode as roofline
 
 if not aot.tpu_available():
     if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):

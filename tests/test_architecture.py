@@ -1,8 +1,11 @@
-"""The package's shape: layers import only downward, and the registry is the only list of implementations."""
+"""The package's shape: layers import only downward and the units of one layer never import each other
+(imports plain and relative, and strings naming modules, all count), ARCHITECTURE.md names every module,
+and the registry is the only list of implementations."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -17,32 +20,96 @@ from tpuattn.impl.reference import reference_attention
 from tpuattn.measure import bench
 
 PACKAGE = Path(tpuattn.__file__).resolve().parent
+ROOT = PACKAGE.parent
+# Kept import paths: each is the module below it (the same object in sys.modules), so an edge to one
+# is an edge to the module it stands for.
+ALIASES = {"tpuattn.bench": "tpuattn.measure.bench", "tpuattn.roofline": "tpuattn.model.roofline",
+           "tpuattn.aot": "tpuattn.measure.aot"}
+# A string literal naming a module or something in one ("tpuattn.impl.xla", "tpuattn.x.function").
+DOTTED = re.compile(r"tpuattn(\.[A-Za-z_]\w*)+")
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """tpuattn modules ``path`` imports, at any depth of the file (function-level imports count too)."""
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
+    return {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Names ``path`` (the module ``module``) reaches, at any depth of the file (function-level imports
+    count too): ``import x``, ``from x import y`` (``x`` and ``x.y``), relative imports (``from . import
+    y``, ``from ..spec import z``) and string literals naming a ``tpuattn`` module, as in
+    ``importlib.import_module("tpuattn.impl.xla")`` or a table of module paths."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in found if name == "tpuattn" or name.startswith("tpuattn.")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: level 1 is this package, 2 its parent, ...
+                parts = package.split(".")
+                assert node.level <= len(parts), f"{path}: relative import above the package"
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module
+            found.add(source)
+            found.update(f"{source}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and DOTTED.fullmatch(node.value):
+            found.add(node.value)
+    return found
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def _resolve(name: str, modules) -> str | None:
+    """The module ``name`` is or lies in (its longest prefix that is a module), aliases followed."""
+    parts = name.split(".")
+    for stop in range(len(parts), 1, -1):  # never the root: "tpuattn.nothing" names no module
+        prefix = ".".join(parts[:stop])
+        if prefix in modules:
+            return ALIASES.get(prefix, prefix)
+    return None
+
+
+def _graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = _modules(package)
     graph = {}
     for name, path in modules.items():
-        # "from tpuattn.pallas import compat" names a module; "from tpuattn.spec import MaskSpec" does not.
-        graph[name] = {dep for dep in _imports(path) if dep in modules and dep != name}
+        deps = set()
+        for found in _imports(path, name):
+            # "from tpuattn.pallas import compat" names a module; "from tpuattn.spec import MaskSpec" is
+            # tpuattn.spec (as "tpuattn.spec.MaskSpec" resolves to it); a plain "import tpuattn" is the root.
+            if found in modules or DOTTED.fullmatch(found):
+                deps.add(found if found in modules else _resolve(found, modules))
+        graph[name] = {ALIASES.get(dep, dep) for dep in deps if dep} - {name, ALIASES.get(name, name)}
     return graph
+
+
+def test_the_graph_reads_relative_imports_strings_and_aliases(tmp_path):
+    pkg = tmp_path / "tpuattn"
+    (pkg / "impl").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "spec.py": "",
+        "chips.py": "",
+        "registry.py": "T = ('tpuattn.impl.xla', 'tpuattn.spec.MaskSpec', 'tpuattn.no', 'see tpuattn.chips')",
+        "measure.py": "def f():\n    import importlib\n    return importlib.import_module('tpuattn.bench')",
+        "bench.py": "",
+        "impl/__init__.py": "from . import xla",
+        "impl/xla.py": "from .. import chips\nfrom ..spec import MaskSpec\nfrom . import common",
+        "impl/common.py": "from .xla import f",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    graph = _graph(pkg)
+    assert graph["tpuattn.registry"] == {"tpuattn.impl.xla", "tpuattn.spec"}
+    assert graph["tpuattn.impl"] == {"tpuattn.impl.xla"}
+    assert graph["tpuattn.impl.xla"] == {"tpuattn", "tpuattn.chips", "tpuattn.spec", "tpuattn.impl",
+                                         "tpuattn.impl.common"}
+    assert graph["tpuattn.impl.common"] == {"tpuattn.impl.xla"}
+    assert graph["tpuattn.measure"] == {"tpuattn.measure.bench"}  # tpuattn.bench is that module
 
 
 def _find_cycle(graph):
@@ -80,11 +147,15 @@ def test_the_cycle_finder_finds_cycles():
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-# Lower layers never import higher ones (the order ARCHITECTURE.md draws).
+# The layers ARCHITECTURE.md draws, bottom to top. A module imports only from layers below its own,
+# and the units of one layer (the entries of a tuple: a module or a package) are siblings: none
+# imports another.
 LAYERS = [
-    ("tpuattn._checks", "tpuattn.errors", "tpuattn.chips"),
+    # facts: each imports only the standard library and JAX
+    ("tpuattn._checks", "tpuattn.errors", "tpuattn.chips", "tpuattn.softmax", "tpuattn.sharding"),
+    ("tpuattn.numerics",),  # the one matmul reads the target chip's backend
     ("tpuattn.spec",),
-    ("tpuattn.registry",),
+    ("tpuattn.registry", "tpuattn.supports"),
     ("tpuattn.impl", "tpuattn.pallas"),
     ("tpuattn.api",),
     # Beyond one call on one chip: many chips (sharded and ring attention) and decode over a KV cache.
@@ -94,30 +165,105 @@ LAYERS = [
     ("tpuattn.model",),
     ("tpuattn.viz", "tpuattn.exercises"),
 ]
+# Inside a package whose files ARCHITECTURE.md orders, the same two rules, file by file.
+INSIDE = {
+    "tpuattn.pallas": [("compat",), ("layout",), ("blocks",), ("plan",), ("forward", "backward"), ("vjp",)],
+}
 
 
-def _layer(module: str) -> int | None:
-    for index, prefixes in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return index
+def _place(module: str, layers) -> tuple[int, str] | None:
+    """(index of the layer, the unit) that holds ``module``, or None."""
+    for index, units in enumerate(layers):
+        for unit in units:
+            if module == unit or module.startswith(unit + "."):
+                return index, unit
     return None
 
 
-def test_layers_import_only_downward():
-    upward = []
-    for name, deps in _graph().items():
-        here = _layer(name)
-        for dep in deps:
-            there = _layer(dep)
-            if here is not None and there is not None and there > here:
-                upward.append(f"{name} imports {dep}")
-    assert not upward, upward
+def _layer_violations(graph, layers) -> list[str]:
+    found = []
+    for name, deps in sorted(graph.items()):
+        here = _place(name, layers)
+        for dep in sorted(deps):
+            there = _place(dep, layers)
+            if here is None or there is None:
+                continue
+            if there[0] > here[0]:
+                found.append(f"{name} imports {dep}, a layer above it")
+            elif there[0] == here[0] and there[1] != here[1]:
+                found.append(f"{name} imports {dep}, a sibling in its layer ({there[1]} beside {here[1]})")
+    return found
+
+
+def test_layers_import_only_downward_and_siblings_never_import_each_other():
+    assert _layer_violations(_graph(), LAYERS) == []
+
+
+def test_inside_ordered_packages_files_import_only_downward():
+    graph = _graph()
+    found = []
+    for package, order in INSIDE.items():
+        layers = [tuple(f"{package}.{name}" for name in units) for units in order]
+        inside = {name: {d for d in deps if d.startswith(package + ".")}
+                  for name, deps in graph.items() if name.startswith(package + ".")}
+        unplaced = [name for name in inside if _place(name, layers) is None]
+        assert unplaced == [], f"{unplaced}: add them to the order ARCHITECTURE.md draws for {package}"
+        found += _layer_violations(inside, layers)
+    assert found == []
+
+
+def test_the_layer_rules_catch_upward_and_sibling_edges():
+    layers = [("a", "b"), ("c",)]
+    graph = {"a.x": {"b.y", "a.z"}, "b.y": set(), "a.z": set(), "c": {"a.x"}, "a": {"c"}}
+    assert _layer_violations(graph, layers) == ["a imports c, a layer above it",
+                                                "a.x imports b.y, a sibling in its layer (b beside a)"]
 
 
 def test_every_module_has_a_layer():
-    # The package root, two kept import paths and the compile-report CLI (aliases of modules below).
-    kept_paths = {"tpuattn", "tpuattn.bench", "tpuattn.roofline", "tpuattn.aot"}
-    assert [name for name in _graph() if _layer(name) is None and name not in kept_paths] == []
+    # The package root and the kept paths (aliases of modules below).
+    kept_paths = {"tpuattn", *ALIASES}
+    assert [name for name in _graph() if _place(name, LAYERS) is None and name not in kept_paths] == []
+
+
+def _architecture_blocks() -> list[str]:
+    """ARCHITECTURE.md cut into table rows and paragraphs (a file is named where its package is)."""
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    blocks = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        rows = paragraph.splitlines()
+        blocks += rows if paragraph.lstrip().startswith("|") else [paragraph]
+    return blocks
+
+
+def _named(module: str, blocks) -> bool:
+    """``tpuattn.pkg.file`` is named by `tpuattn.pkg.file` or `pkg/file.py` anywhere, or by `file`
+    (or `file.py`) in a row or paragraph that names `pkg/`; ``tpuattn.file`` by `file.py`."""
+    parts = module.split(".")[1:]
+    dotted = re.compile(rf"`[^`]*\b{re.escape(module)}\b[^`]*`")
+    path = re.compile(rf"`{re.escape('/'.join(parts))}(\.py|/)?`")
+    for block in blocks:
+        if dotted.search(block) or path.search(block):
+            return True
+        if len(parts) > 1 and f"`{'/'.join(parts[:-1])}/`" in block and re.search(
+                rf"`{re.escape(parts[-1])}(\.py)?`", block):
+            return True
+    return False
+
+
+def test_architecture_names_every_module():
+    blocks = _architecture_blocks()
+    missing = [name for name in _modules() if name != "tpuattn" and not _named(name, blocks)]
+    assert missing == [], f"ARCHITECTURE.md does not name {missing}"
+
+
+def test_the_name_check_reads_rows_and_paragraphs():
+    blocks = ["| x | `impl/` (`reference`, `xla.py`) | ... |", "Inside `pallas/`: `compat` <- `layout`",
+              "`tpuattn.bench` is kept; `model/published.py` holds"]
+    for module in ("tpuattn.impl.reference", "tpuattn.impl.xla", "tpuattn.pallas.compat", "tpuattn.bench",
+                   "tpuattn.model.published", "tpuattn.impl", "tpuattn.pallas"):
+        assert _named(module, blocks), module
+    for module in ("tpuattn.impl.compat", "tpuattn.pallas.reference", "tpuattn.model", "tpuattn.spec"):
+        assert not _named(module, blocks), module
 
 
 # ---------------------------------------------------------------------------- one registration

@@ -53,3 +53,27 @@ ENTRY %main (p: bf16[4]) -> bf16[4] {
 def test_collectives_are_counted_and_overlap_read_from_the_schedule():
     assert collectives(HLO) == {"collective_permutes": 2, "all_gathers": 1, "reduce_scatters": 0,
                                 "async_collectives": 2, "overlapped_collectives": 1}
+
+
+def test_the_ring_model_works_per_device_with_the_dtypes_peak():
+    # f32: 4-byte elements and the roofline's f32 peak (bf16 / 6): c* = 4 * 1.97e14 / 6 / (2 * 5e10).
+    assert comm.hiding_length("v5e", heads=8, dtype="float32") == pytest.approx(4 * 1.97e14 / 6 / 1e11)
+    step = comm.ring_step("v5e", 2048, heads=8, dtype="float32")
+    assert step.transfer_bytes == 2 * 2048 * 8 * 128 * 4
+    assert step.compute_s == pytest.approx(4.0 * 2048 * 2048 * 8 * 128 / (1.97e14 / 6))
+
+
+def test_two_devices_on_a_chip_share_its_ici_links():
+    # A chip's ICI is per chip; a JAX device gets its share: all of it where the device is the chip
+    # (v5e, the megacore v5p), half each where two TensorCores are two devices (as on tpu7x).
+    import dataclasses
+
+    from tpuattn import chips
+    from tpuattn.model import roofline
+
+    assert roofline.chip_spec("v5e").ici_link_bandwidth == pytest.approx(400e9 / 8)
+    assert roofline.chip_spec("v5p").ici_link_bandwidth == pytest.approx(1200e9 / 12)
+    two_devices = dataclasses.replace(chips.get("tpu7x"), ici_bandwidth=1200e9, ici_ports=6)
+    assert two_devices.per_device()["ici_link_bandwidth"] == pytest.approx(1200e9 / 12 / 2)
+    assert roofline.chip_spec(two_devices).ici_link_bandwidth == pytest.approx(1200e9 / 12 / 2)
+    assert roofline.chip_spec("tpu7x").ici_link_bandwidth is None  # no figures in the table

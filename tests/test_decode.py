@@ -7,13 +7,14 @@ import dataclasses
 import math
 import re
 
+import decode_oracle
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from decode_oracle import oracle_decode, oracle_partial
 
-from tpuattn import chips, decode
+from tpuattn import chips, decode, softmax
 from tpuattn.decode import kernel as decode_kernel
 from tpuattn.errors import UnsupportedInput
 
@@ -150,10 +151,11 @@ def test_native_refusals_name_what_they_cannot_express():
 def test_auto_picks_reference_off_tpu_and_pallas_on_tpu():
     spec = decode.decode_spec_from_shapes(batch=2, q_len=1, num_q_heads=4, num_kv_heads=2, head_dim=128,
                                           capacity=64)
-    assert decode.choose(spec, "cpu") == "reference"
-    assert decode.choose(spec, "tpu") == "pallas"
+    assert decode.choose(spec, "cpu").impl == "reference"
+    assert decode.choose(spec, "tpu").impl == "pallas"
+    assert dict(decode.choose(spec, "cpu").refused)["pallas"] == "not an automatic choice on cpu"
     with chips.target("v5e"):
-        assert decode.choose(spec) == "pallas"
+        assert decode.choose(spec).impl == "pallas"
 
 
 # ---------------------------------------------------------------------------- bad inputs
@@ -292,22 +294,73 @@ def test_schedule_uses_the_kernels_own_clamp():
 
 
 # ---------------------------------------------------------------------------- merging partials
-def test_merge_partials_matches_the_oracle():
+@pytest.mark.parametrize("scale", [0.4, 4e3], ids=["logits~1", "logits~1e4"])
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_chunk_partials_merge_to_the_oracle(chunks, scale):
+    # Split-K: each chunk's (output, logsumexp) from the float64 oracle, as softmax.Partials, merged by
+    # tpuattn.softmax.merge (the one merge): a chunk that sees nothing, a row no chunk sees, logits of
+    # ~1e4 (exp would overflow float32 at 88), and the gradients of the merge.
     rng = np.random.default_rng(5)
-    rows, n, d, scale = 6, 24, 16, 0.4
+    rows, n, d = 6, 24, 16
     q, k, v = rng.standard_normal((rows, d)), rng.standard_normal((n, d)), rng.standard_normal((n, d))
     allowed = rng.random((rows, n)) < 0.6
-    allowed[:, 8:16] = False  # chunk 1 sees nothing
+    allowed[:, 8:16] = False  # the middle third sees nothing
     allowed[4] = False  # row 4 sees no key in any chunk
-    parts = [oracle_partial(q, k[c:c + 8], v[c:c + 8], allowed[:, c:c + 8], scale) for c in (0, 8, 16)]
-    outs = np.stack([o for o, _ in parts])
-    lses = np.stack([lse for _, lse in parts])
-    out, lse = decode.merge_partials(outs, lses)
+    cuts = np.linspace(0, n, chunks + 1).astype(int)
+    as_partial = lambda out, lse: softmax.from_lse(jnp.asarray(out, jnp.float32)[None, :, None],
+                                                   jnp.asarray(lse, jnp.float32)[None, None])
+    parts = [as_partial(*oracle_partial(q, k[a:b], v[a:b], allowed[:, a:b], scale))
+             for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    merged = softmax.merge(*parts)
+    out, lse = np.asarray(merged.out)[0, :, 0], np.asarray(softmax.to_lse(merged))[0, 0]
     expected, expected_lse = oracle_partial(q, k, v, allowed, scale)
-    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(out)[4], 0.0)
-    assert np.asarray(lse)[4] == -np.inf
-    np.testing.assert_allclose(np.asarray(lse)[[0, 1, 2, 3, 5]], expected_lse[[0, 1, 2, 3, 5]], rtol=1e-5)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out[4], 0.0)
+    assert lse[4] == -np.inf
+    seen = [0, 1, 2, 3, 5]
+    np.testing.assert_allclose(lse[seen], expected_lse[seen], rtol=1e-5)
+    # Gradients: d sum(out * ct) / d out_i is each chunk's share exp(lse_i - lse) of the row.
+    ct = rng.standard_normal(merged.out.shape)
+    grads = jax.grad(lambda parts: jnp.sum(softmax.merge(*parts).out * ct))(parts)
+    for (a, b), g in zip(zip(cuts[:-1], cuts[1:], strict=True), grads, strict=True):
+        _, lse_i = oracle_partial(q, k[a:b], v[a:b], allowed[:, a:b], scale)
+        with np.errstate(invalid="ignore"):
+            share = np.where(np.isfinite(lse_i), np.exp(lse_i - np.where(np.isfinite(expected_lse),
+                                                                          expected_lse, 0.0)), 0.0)
+        assert all(np.isfinite(np.asarray(x)).all() for x in g)
+        np.testing.assert_allclose(np.asarray(g.out)[0, :, 0], share[:, None] * ct[0, :, 0], atol=1e-4,
+                                   rtol=1e-4)
+
+
+def test_kernel_chunks_are_softmax_partials():
+    # The kernel's edge: each split-K chunk comes out as a softmax.Partial in the contract layout, a
+    # chunk past a sequence's length as the empty state.
+    case = CASES[0]
+    q, k, v, lengths, table = make_inputs(case, poison=True)
+    q, k, v, lengths, table, spec = decode.make_decode_spec(q, k, v, lengths, table, **kwargs(case))
+    geo = decode_kernel.geometry(spec, chunk_blocks=1, pages_per_step=1)
+    parts = decode_kernel.partials(q, k, v, jnp.asarray(lengths), jnp.asarray(table), spec, geo, True)
+    assert len(parts) == geo.num_chunks == 4
+    for c, part in enumerate(parts):
+        assert isinstance(part, softmax.Partial) and part.out.dtype == jnp.float32
+        assert part.out.shape == q.shape and part.m.shape == (4, case.heads, case.q_len)
+        for b, length in enumerate(lengths):
+            keys = np.arange(c * 8, (c + 1) * 8)
+            allowed = (keys < length)[None, :]
+            kc = decode_oracle.sequence_cache(k, b, min(int(length), keys[-1] + 1), table)[keys[0]:]
+            vc = decode_oracle.sequence_cache(v, b, min(int(length), keys[-1] + 1), table)[keys[0]:]
+            for h in range(case.heads):
+                if not allowed.any():
+                    np.testing.assert_array_equal(np.asarray(part.out[b, :, h]), 0.0)
+                    assert np.all(np.asarray(part.m[b, h]) == -np.inf)
+                    assert np.all(np.asarray(part.log_l[b, h]) == 0.0)
+                    continue
+                want, want_lse = oracle_partial(np.asarray(q[b, :, h], np.float64), kc[:, h], vc[:, h],
+                                                allowed[:, : len(kc)], spec.scale)
+                np.testing.assert_allclose(np.asarray(part.out[b, :, h]), want, atol=2e-5, rtol=2e-5)
+                np.testing.assert_allclose(np.asarray(softmax.to_lse(part))[b, h], want_lse, atol=2e-5,
+                                           rtol=2e-5)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.paged and c.q_len == 4], ids=lambda c: c.name)
@@ -344,7 +397,7 @@ def test_pallas_is_forward_only_and_says_so():
 
 
 def test_roofline_counts_the_valid_cache_and_group_times_q_len_flops_per_byte_pair():
-    from tpuattn.decode import roofline
+    from tpuattn.model import decode as roofline
 
     r = roofline.decode_roofline([4096, 100, 0], q_len=2, heads=32, kv_heads=8, head_dim=128, chip="v5e")
     assert r.cache_bytes == (4096 + 100) * 2 * 8 * 128 * 2  # K and V, bf16, valid positions only

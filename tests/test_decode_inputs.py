@@ -76,7 +76,8 @@ def test_traced_narrow_lengths_are_clipped_without_wrapping(dtype):
     q, k, v = _inputs(2)
     lengths = np.array([100 if dtype != "uint8" else 200, 40], dtype)
     table = np.array([[5, 1, 4, 6], [2, 3, 0, 7]], np.int32)
-    got = jax.jit(lambda lengths: decode.attention(q, k, v, lengths, page_table=table, impl="reference"))(lengths)
+    step = jax.jit(lambda lengths: decode.attention(q, k, v, lengths, page_table=table, impl="reference"))
+    got = step(lengths)
     want = oracle_decode(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                          np.array([64, 40]), page_table=table)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=2e-5)

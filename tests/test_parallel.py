@@ -59,6 +59,11 @@ CASES = [
      dict(causal=True), 32, 32, 2, 2),
     ("batch-and-heads-only", (("b", 2), ("h", 4)), dict(batch_axis="b", head_axis="h"), dict(causal=True),
      24, 24, 8, 4),
+    # The Pallas kernel as the local kernel with segment ids that vary over the mesh (interpret mode).
+    ("ring-pallas-segments", (("s", 4),), dict(seq_axis="s", impl="pallas"),
+     dict(causal=True, segments=True), 32, 32, 2, 1),
+    ("allgather-pallas-segments", (("s", 4),), dict(seq_axis="s", strategy="allgather", impl="pallas"),
+     dict(segments=True), 32, 32, 2, 2),
 ]
 
 
@@ -109,6 +114,30 @@ def test_pallas_in_interpret_mode_serves_as_the_local_kernel():
     np.testing.assert_allclose(parallel.from_zigzag(np.asarray(out), n), want, atol=2e-5, rtol=2e-5)
     assert_grads_close([parallel.from_zigzag(np.asarray(g), n) for g in grads],
                        oracle_grads(q, k, v, d_out, causal=True), tol=5e-5)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "blockwise"])
+def test_the_contract_inside_a_users_shard_map_with_segments(impl):
+    """``tpuattn.attention`` called per device inside the user's own ``jax.shard_map`` (default
+    checks), batch sharded, with segment ids that differ per device."""
+    from jax.sharding import PartitionSpec as P
+
+    m = mesh((4, "b"))
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, 16, 16, batch=4, q_heads=2, kv_heads=1, head_dim=8)
+    segs = np.stack([_segments(1, 16, seed=s)[0] for s in range(4)])
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+
+    def local(q, k, v, segs):
+        return tpuattn.attention(q, k, v, causal=True, segment_ids=segs, impl=impl)
+
+    sharded = jax.shard_map(local, mesh=m, in_specs=(P("b"), P("b"), P("b"), P("b")), out_specs=P("b"))
+    loss = lambda q, k, v: jnp.sum(sharded(q, k, v, segs) * d_out)
+    out = jax.jit(sharded)(q, k, v, segs)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(np.asarray(out), oracle_attention(q, k, v, causal=True, segment_ids=segs),
+                               atol=2e-5, rtol=2e-5)
+    assert_grads_close(grads, oracle_grads(q, k, v, d_out, causal=True, segment_ids=segs), tol=5e-5)
 
 
 def test_bf16_ring_within_bf16_error_of_the_oracle():
@@ -176,18 +205,21 @@ def test_zigzag_round_trip_and_order():
     np.testing.assert_array_equal(parallel.from_zigzag(z, 4), x)
 
 
-def test_merge_of_two_key_halves_is_attention_over_both():
-    from tpuattn import api
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_merge_of_two_key_halves_is_attention_over_both(impl):
+    from tpuattn import api, softmax
     from tpuattn.spec import block_spec
 
     rng = np.random.default_rng(11)
-    q, k, v = random_qkv(rng, 16, 32, batch=1, q_heads=2, kv_heads=2, head_dim=8)
-    spec = tpuattn.make_spec(q, k, v)[-1]
-    ops = api.get_implementation("blockwise").partial
+    q, k, v = random_qkv(rng, 32, 32, batch=1, q_heads=2, kv_heads=2, head_dim=8)
+    spec = tpuattn.make_spec(q, k, v, causal=True)[-1]  # rows 0..15 see nothing of the second half
+    ops = api.get_implementation(impl).partial
     halves = [ops.forward(q, k[:, s:s + 16], v[:, s:s + 16], None,
-                          block_spec(spec, q_start=0, q_len=16, kv_start=s, kv_len=16)) for s in (0, 16)]
-    out, _, _ = parallel.merge(*halves)
-    np.testing.assert_allclose(np.asarray(out), oracle_attention(q, k, v), atol=2e-6, rtol=2e-6)
+                          block_spec(spec, q_start=0, q_len=32, kv_start=s, kv_len=16)) for s in (0, 16)]
+    assert all(isinstance(h, softmax.Partial) for h in halves)
+    np.testing.assert_array_equal(np.asarray(halves[1].m)[..., :16], -np.inf)
+    out = softmax.merge(*halves).out
+    np.testing.assert_allclose(np.asarray(out), oracle_attention(q, k, v, causal=True), atol=2e-6, rtol=2e-6)
 
 
 # ---------------------------------------------------------------------------- the program

@@ -313,3 +313,87 @@ def test_the_splash_rule_docstring_matches_the_model():
         assert bounds == {2048: "memory", 4096: "compute"}, chip
     assert roofline.predict("splash", roofline.problem(8192, heads=8, head_dim=128, dtype="bfloat16",
                                                        causal=True), "v6e", "fwd").bound == "memory"
+
+
+# ----------------------------------------------------------------------------- one unit: the JAX device
+# Hand figures per chip (tpuattn.chips, JAX's tpu_info): HBM bytes/s and bf16 FLOP/s of the whole chip.
+# tpu7x's two TensorCores are two JAX devices (half each); the megacore v5p is one device (the chip).
+@pytest.mark.parametrize("name, chip_gbps, chip_tflops, share", [
+    ("tpu7x", 7400, 2310, 0.5), ("v2", 716, 46, 0.5), ("v5p", 2460, 459, 1.0), ("v5e", 820, 197, 1.0)])
+@pytest.mark.parametrize("dtype, passes, itemsize", [("bfloat16", 1, 2), ("float32", 6, 4)])
+def test_the_decode_roofline_works_per_device_with_the_dtypes_peak(name, chip_gbps, chip_tflops, share,
+                                                                    dtype, passes, itemsize):
+    from tpuattn.model import decode
+
+    r = decode.decode_roofline([4096] * 8, heads=32, kv_heads=8, head_dim=128, dtype=dtype, chip=name)
+    bandwidth, peak = chip_gbps * 1e9 * share, chip_tflops * 1e12 * share / passes
+    cache = 8 * 4096 * 2 * 8 * 128 * itemsize
+    io = 2 * 8 * 32 * 128 * itemsize + 4 * 8
+    flops = 4.0 * 32 * 128 * 8 * 4096
+    assert (r.cache_bytes, r.io_bytes, r.flops) == (cache, io, flops)
+    assert r.memory_s == pytest.approx((cache + io) / bandwidth)
+    assert r.compute_s == pytest.approx(flops / peak)
+    assert r.ridge == pytest.approx(peak / bandwidth)
+    assert r.crossover_q_len == pytest.approx(peak / bandwidth * itemsize / (2 * 4))
+    # the same peak the attention roofline uses for the dtype (one function, not a copy)
+    assert r.compute_s == pytest.approx(flops / roofline.chip_spec(name).peak_flops(dtype))
+
+
+def test_the_decode_roofline_accepts_a_chip_spec():
+    from tpuattn.model import decode
+
+    a = decode.decode_roofline([1000], heads=8, kv_heads=8, head_dim=128, chip="tpu7x")
+    b = decode.decode_roofline([1000], heads=8, kv_heads=8, head_dim=128, chip=roofline.chip_spec("tpu7x"))
+    assert a == b and a.chip == "tpu7x"
+
+
+def test_per_device_states_each_chips_share():
+    # megacore: one device spans both TensorCores (the chip); tpu7x, v2, v3: one TensorCore (half).
+    for name, share in (("v4", 1.0), ("v5p", 1.0), ("v5e", 1.0), ("v6e", 1.0), ("v2", 0.5), ("v3", 0.5),
+                        ("tpu7x", 0.5)):
+        chip = chips.get(name)
+        device = chip.per_device()
+        assert device["bf16_flops"] == pytest.approx(chip.bf16_flops * share), name
+        assert device["hbm_bandwidth"] == pytest.approx(chip.hbm_bandwidth * share), name
+        assert device["hbm_bytes"] == pytest.approx(chip.hbm_bytes * share), name
+
+
+# ----------------------------------------------------------------------------- the typed schedule model
+def test_a_misspelt_schedule_model_field_is_an_error():
+    from tpuattn.registry import ScheduleModel
+
+    with pytest.raises(TypeError, match="lse_row_byte"):
+        ScheduleModel(lse_row_byte=512)
+    with pytest.raises(ValueError, match=r"^live_scores: expected .* got keys \['fwd\+bw'\]"):
+        ScheduleModel(live_scores={"fwd+bw": lambda p: 8})
+    with pytest.raises(ValueError, match=r"^lse_row_bytes: expected a positive int"):
+        ScheduleModel(lse_row_bytes=0)
+    assert roofline.schedule_model("pallas") == ScheduleModel(lse_row_bytes=512, delta_row_bytes=512,
+                                                              pads_head_dim=True, kernel_layout_copies=True)
+
+
+def test_the_roofline_reads_the_record_by_attribute_and_refuses_anything_else(monkeypatch):
+    import dataclasses
+
+    real = api.get_implementation
+    spec = roofline.problem(1024, heads=2)
+
+    def patched(**changes):
+        monkeypatch.setattr(roofline.api, "get_implementation",
+                            lambda name: dataclasses.replace(real(name), **changes))
+
+    patched(model={"lse_row_bytes": 4})  # the old untyped protocol: an error, not silent defaults
+    with pytest.raises(TypeError, match=r"^splash: its record's model: expected a tpuattn.registry.Sched"):
+        roofline.cost("splash", spec, q_block=128, kv_block=128)
+    patched(schedule="flsh")
+    with pytest.raises(ValueError, match=r"^splash: its record's schedule: expected one of .* got 'flsh'"):
+        roofline.cost("splash", spec, q_block=128, kv_block=128)
+    # A field read by attribute changes the count: 128 lanes of logsumexp per row instead of one.
+    from tpuattn.registry import ScheduleModel
+
+    monkeypatch.setattr(roofline.api, "get_implementation", real)
+    base = roofline.cost("splash", spec, q_block=128, kv_block=128)
+    patched(model=ScheduleModel(lse_row_bytes=512, delta_row_bytes=4, kernel_layout_copies=True))
+    wide = roofline.cost("splash", spec, q_block=128, kv_block=128)
+    # the forward writes the logsumexp once per query row: batch 1 x 2 heads x 1024 rows x (512 - 4) more
+    assert wide.hbm_bytes - base.hbm_bytes == 1 * 2 * 1024 * (512 - 4)

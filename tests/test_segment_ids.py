@@ -13,12 +13,14 @@ import tpuattn
 
 # (q ids, kv ids): each pair holds values that a cast to one narrow dtype would make equal.
 PAIRS = {
-    "int32 vs int64 2**32": (np.array([[0, 1, 0, 1]], np.int32), np.array([[2**32, 1, 0, 2**32 + 1]], np.int64)),
+    "int32 vs int64 2**32": (np.array([[0, 1, 0, 1]], np.int32),
+                             np.array([[2**32, 1, 0, 2**32 + 1]], np.int64)),
     "int32 -1 vs uint32 max": (np.array([[-1, 5, -1, 5]], np.int32),
                                np.array([[4294967295, 5, 4294967295, 5]], np.uint32)),
     "int64 -1 vs uint64 max": (np.array([[-1, 7, -1, 7]], np.int64),
                                np.array([[2**64 - 1, 7, 2**64 - 1, 7]], np.uint64)),
-    "uint32 alone": (np.array([[2**31, 2**31 + 1, 3, 3]], np.uint32), np.array([[2**31, 3, 3, 2**31 + 1]], np.uint32)),
+    "uint32 alone": (np.array([[2**31, 2**31 + 1, 3, 3]], np.uint32),
+                     np.array([[2**31, 3, 3, 2**31 + 1]], np.uint32)),
     "int8 vs int16": (np.array([[3, 3, 4, 4]], np.int8), np.array([[3, 259, 4, 260]], np.int16)),
 }
 

@@ -1,6 +1,7 @@
 """``python -m tpuattn.aot``: compile reports for TPU chips (see :mod:`tpuattn.measure.aot`);
 ``python -m tpuattn.aot --slices``: sharded and ring attention for whole slices
-(:mod:`tpuattn.measure.slices`).
+(:mod:`tpuattn.measure.slices`); ``python -m tpuattn.aot --reproduce FILE [--limit N]``: compile a
+report file's recorded problems again and print a row-by-row diff (exit status 1 on a difference).
 
 Sets ``JAX_PLATFORMS=cpu`` before JAX starts (unless set): with libtpu installed JAX would otherwise
 look for a TPU; the compile-only TPU topologies stay available.
@@ -12,9 +13,11 @@ import sys
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tpuattn.measure import aot as _module
+    from tpuattn.measure import reports as _reports
     from tpuattn.measure import slices as _slices
 
-    (_slices.main if "--slices" in sys.argv[1:] else _module.main)()
+    argv = sys.argv[1:]
+    (_reports.main if "--reproduce" in argv else _slices.main if "--slices" in argv else _module.main)()
 else:
     from tpuattn.measure import aot as _module
 

@@ -3,122 +3,79 @@
 :func:`attention` validates and normalises its inputs once (:func:`tpuattn.spec.make_spec`),
 picks an implementation (by name, or by the ``auto`` rule: :func:`choose`) and calls it. The
 implementations live in :mod:`tpuattn.impl` and :mod:`tpuattn.pallas`; each registers one
-:class:`~tpuattn.registry.Implementation` record, loaded on first use from
-:data:`IMPLEMENTATION_MODULES`.
+:class:`~tpuattn.registry.Implementation` record when its module is imported, on first use, from
+:data:`IMPLEMENTATION_MODULES`. The machinery (:class:`~tpuattn.registry.Registry`) is the one the
+decode contract uses too.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import logging
-
-import jax
-
-from tpuattn import chips, registry
 from tpuattn.errors import UnavailableImplementation, UnsupportedInput
-from tpuattn.registry import BACKENDS, Implementation, register
+from tpuattn.registry import REGISTRY, Choice, Implementation, Subset, register
 from tpuattn.spec import AttentionSpec, make_spec
 
-# The modules that register the built-in implementations, imported on first use. A module of
-# your own can call ``tpuattn.register`` directly instead.
-IMPLEMENTATION_MODULES = (
-    "tpuattn.impl.reference",
-    "tpuattn.impl.xla",
-    "tpuattn.impl.blockwise",
-    "tpuattn.pallas",
-    "tpuattn.impl.splash",
-)
+# The built-in implementations: name -> (the module that registers it, its priority). A module is
+# imported the first time its implementation is asked for; the priority breaks ``auto`` ties (lower
+# wins), whatever order the modules happen to load in. A module of your own can call
+# ``tpuattn.register`` directly instead.
+IMPLEMENTATION_MODULES = {
+    "reference": ("tpuattn.impl.reference", 10),
+    "xla": ("tpuattn.impl.xla", 20),
+    "blockwise": ("tpuattn.impl.blockwise", 30),
+    "pallas": ("tpuattn.pallas", 40),
+    "splash": ("tpuattn.impl.splash", 50),
+}
+for _name, (_module, _priority) in IMPLEMENTATION_MODULES.items():
+    REGISTRY.declare(_name, _module, priority=_priority)
 
-log = logging.getLogger("tpuattn")
-_LOADED = False
+# The implementations :mod:`tpuattn.parallel` can run as its local kernel, ranked by ``partial_rank``.
+RETURNS_PARTIALS = Subset("returns partial results", lambda record: record.partial is not None,
+                          rank="partial_rank")
 
-__all__ = ["AttentionSpec", "Choice", "Implementation", "attention", "choose", "choose_implementation",
-           "get_implementation", "implementations", "known_implementations", "make_spec", "register"]
+__all__ = ["RETURNS_PARTIALS", "AttentionSpec", "Choice", "Implementation", "UnavailableImplementation",
+           "UnsupportedInput", "attention", "choose", "choose_implementation", "get_implementation",
+           "implementations", "known_implementations", "make_spec", "register", "resolve",
+           "unavailable_implementations"]
 
 
 def _load() -> dict[str, Implementation]:
-    global _LOADED
-    if not _LOADED:
-        for module in IMPLEMENTATION_MODULES:
-            importlib.import_module(module)
-        _LOADED = True
-    return registry.registered()
+    """Every record, the built-ins imported (those whose module failed stand in as unavailable)."""
+    return REGISTRY.records()
 
 
 def known_implementations() -> tuple[str, ...]:
-    """Every registered implementation name, available here or not."""
-    return tuple(_load())
+    """Every implementation name, available here or not (imports nothing)."""
+    return REGISTRY.known()
 
 
-def implementations() -> tuple[str, ...]:
-    """Names of the implementations usable on this machine."""
-    return tuple(name for name, impl in _load().items() if impl.available())
+def implementations(subset: Subset | None = None) -> tuple[str, ...]:
+    """Names of the implementations usable on this machine (in ``subset``, if given)."""
+    return REGISTRY.available(subset)
+
+
+def unavailable_implementations() -> dict[str, str]:
+    """``{name: why}`` for the implementations that cannot run here (an import error, for instance)."""
+    return REGISTRY.unavailable()
 
 
 def get_implementation(name: str) -> Implementation:
-    """The registered record for ``name``."""
-    known = _load()
-    if name not in known:
-        raise ValueError(f"impl: expected one of {sorted(known) + ['auto']}, got {name!r}")
-    return known[name]
+    """The registered record for ``name`` (importing its module on first use)."""
+    return REGISTRY.get(name)
 
 
-def _backend(backend: str | None) -> str:
-    backend = chips.target_backend() if backend is None else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
-    return backend
+def choose(spec: AttentionSpec, backend: str | None = None, *, subset: Subset | None = None) -> Choice:
+    """The ``impl="auto"`` rule, with its reason and the refused implementations.
 
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """What ``impl="auto"`` picks for one problem on one backend, and why."""
-
-    impl: str
-    backend: str
-    reason: str
-    refused: tuple[tuple[str, str], ...]  # (implementation, why it was not picked)
-
-    def __str__(self) -> str:
-        return f"{self.impl} on {self.backend}: {self.reason}"
-
-
-def choose(spec: AttentionSpec, backend: str | None = None) -> Choice:
-    """The ``impl="auto"`` rule, with its reason.
-
-    Each available implementation that supports ``spec`` on ``backend`` (default: this machine's)
-    offers a rank (:attr:`Implementation.auto_rank`); the lowest wins, ties going to the earlier
-    registration. The ranks encode the project's evidence, documented with each implementation:
+    Each available implementation that supports ``spec`` on ``backend`` (default: the target's,
+    :func:`tpuattn.chips.target_backend`) offers a rank (:attr:`Implementation.auto_rank`); the
+    lowest wins, ties going to the lower :attr:`~Implementation.priority` (never the order of
+    registration). The ranks encode the project's evidence, documented with each implementation:
     on a TPU the maintained flash kernel (``splash``) from 512 keys and 128 queries, else
     ``jax.nn.dot_product_attention`` (``xla``); on GPU ``xla`` (cuDNN when it applies); on CPU
     ``xla`` until its float32 score matrix passes 1 GiB, then ``blockwise``; ``reference`` last.
+    With ``subset`` (:data:`RETURNS_PARTIALS`), only its implementations, ranked by its field.
     """
-    backend = _backend(backend)
-    ranked, refused = [], []
-    for order, (name, impl) in enumerate(_load().items()):
-        if not impl.available():
-            refused.append((name, "not available on this machine"))
-            continue
-        reason = impl.supports(spec, backend)
-        if reason is not None:
-            refused.append((name, reason))
-            continue
-        rank = impl.auto_rank(spec, backend)
-        if rank is None:
-            refused.append((name, f"not an automatic choice on {backend}"))
-            continue
-        ranked.append((rank, order, name))
-    if not ranked:
-        raise UnsupportedInput(f"impl: no registered implementation supports this input on {backend}: "
-                               + "; ".join(f"{n}: {r}" for n, r in refused))
-    ranked.sort()
-    name = ranked[0][2]
-    others = ", ".join(f"{n} ({r:g})" for r, _, n in ranked[1:])
-    reason = f"lowest auto rank ({ranked[0][0]:g}) among the candidates"
-    if others:
-        reason += f"; then {others}"
-    return Choice(impl=name, backend=backend, reason=reason, refused=tuple(refused))
+    return REGISTRY.choose(spec, backend, subset=subset)
 
 
 def choose_implementation(spec: AttentionSpec, backend: str | None = None) -> str:
@@ -126,25 +83,11 @@ def choose_implementation(spec: AttentionSpec, backend: str | None = None) -> st
     return choose(spec, backend).impl
 
 
-def resolve(impl: str, spec: AttentionSpec, backend: str | None = None) -> Implementation:
+def resolve(impl: str, spec: AttentionSpec, backend: str | None = None, *,
+            subset: Subset | None = None) -> Implementation:
     """The implementation that will serve ``spec``: checks availability and support, raising
     :class:`~tpuattn.errors.UnavailableImplementation` or :class:`~tpuattn.errors.UnsupportedInput`."""
-    if not isinstance(impl, str):
-        raise ValueError(f"impl: expected a string, got {impl!r}")
-    backend = _backend(backend)
-    if impl == "auto":
-        choice = choose(spec, backend)
-        log.debug("impl='auto' chose %s", choice)
-        impl = choice.impl
-    implementation = get_implementation(impl)
-    if not implementation.available():
-        raise UnavailableImplementation(
-            f"impl: {impl!r} is not available on backend {jax.default_backend()!r}; "
-            f"available here: {list(implementations())}")
-    reason = implementation.supports(spec, backend)
-    if reason is not None:
-        raise UnsupportedInput(f"impl: {impl!r} does not support this input: {reason}")
-    return implementation
+    return REGISTRY.resolve(impl, spec, backend, subset=subset)
 
 
 def attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,

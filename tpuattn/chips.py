@@ -22,8 +22,9 @@ whole chip on the megacore v4 and v5p; :meth:`Chip.per_device` gives the numbers
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
+
+import jax
 
 GIB = 1024**3
 MIB = 1024**2
@@ -31,7 +32,13 @@ MIB = 1024**2
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One TPU generation. FLOP/s, bandwidth and HBM are per chip; VMEM per TensorCore."""
+    """One TPU generation. FLOP/s, bandwidth, HBM and ICI are per chip; VMEM per TensorCore.
+
+    Every *model* (:mod:`tpuattn.model`) works per JAX device instead, through :meth:`per_device`:
+    a JAX device is the whole chip on v5e and v6e (one TensorCore) and on the megacore v4 and v5p
+    (one device spans both TensorCores), and one TensorCore -- half the chip -- on v2, v3 and tpu7x
+    (their two TensorCores are separate devices).
+    """
 
     name: str  # "v5e"
     tensor_cores: int  # per chip
@@ -60,11 +67,21 @@ class Chip:
     def cores_per_device(self) -> int:
         return self.tensor_cores if self.megacore else 1
 
-    def per_device(self) -> dict[str, float]:
-        """Peak FLOP/s, bandwidth and HBM bytes of one JAX device of this chip."""
+    def per_device(self) -> dict[str, float | None]:
+        """Peak bf16 FLOP/s, HBM bandwidth and bytes, and one-way ICI link bytes/s of one JAX device.
+
+        The chip's share ``cores_per_device / tensor_cores``: 1 on v4, v5e, v5p and v6e (a device is
+        the chip), 1/2 on v2, v3 and tpu7x (a device is one of two TensorCores). ICI is assumed
+        shared the same way: the two devices of a tpu7x chip share its links, each getting half of
+        a link's bandwidth when both send at once (as every device does at each ring step); on the
+        other chips one device has the chip's links to itself. ``ici_link_bandwidth`` is None where
+        this table carries no ICI figures.
+        """
         share = self.cores_per_device / self.tensor_cores
+        link = self.ici_link_bandwidth
         return {"bf16_flops": self.bf16_flops * share, "hbm_bandwidth": self.hbm_bandwidth * share,
-                "hbm_bytes": self.hbm_bytes * share}
+                "hbm_bytes": self.hbm_bytes * share,
+                "ici_link_bandwidth": None if link is None else link * share}
 
 
 # Per chip, from JAX's tpu_info.py (0.10.2). Device kinds as JAX's chip_version_from_device_kind reads them.
@@ -116,26 +133,37 @@ def from_device_kind(device_kind: str) -> Chip | None:
 
 
 # ---------------------------------------------------------------------------- the target
-_TARGET: contextvars.ContextVar[Chip | None] = contextvars.ContextVar("tpuattn_target_chip", default=None)
+# The target chip is a JAX *user context* (``jax.make_user_context``): JAX includes its value in the
+# key of every tracing, lowering and compilation cache. A function traced for the CPU (interpret
+# mode, CPU block sizes) is therefore never reused inside ``target("v5e")``, nor the reverse, even
+# when it is the same ``jax.jit`` object, nested jits included. A plain context variable would be
+# ambient state that JAX's caches cannot see: the first trace would win.
+_TARGET = jax.make_user_context(default_value=None)  # the target chip's name, or None
+
+
+def _target_name() -> str | None:
+    return _TARGET.value
 
 
 @contextlib.contextmanager
 def target(chip: str | Chip):
-    """Work for ``chip`` (ahead-of-time compilation) inside the ``with`` block, wherever this runs."""
-    token = _TARGET.set(chip if isinstance(chip, Chip) else get(chip))
-    try:
-        yield _TARGET.get()
-    finally:
-        _TARGET.reset(token)
+    """Work for ``chip`` (ahead-of-time compilation) inside the ``with`` block, wherever this runs.
+
+    The chip is part of JAX's cache key inside the block (see :data:`_TARGET`), so tracing the same
+    function for the CPU before or after compiling it for a TPU never mixes the two programs.
+    """
+    chip = chip if isinstance(chip, Chip) else get(chip)
+    if CHIPS.get(chip.name) != chip:
+        raise ValueError(f"chip: expected a chip from tpuattn.chips.CHIPS, got a modified {chip.name!r}")
+    with _TARGET(chip.name):
+        yield chip
 
 
 def target_chip() -> Chip | None:
     """The chip set by :func:`target`, else the local TPU's (None off a TPU or for an unknown one)."""
-    chip = _TARGET.get()
-    if chip is not None:
-        return chip
-    import jax
-
+    name = _target_name()
+    if name is not None:
+        return CHIPS[name]
     if jax.default_backend() != "tpu":
         return None
     return from_device_kind(jax.devices()[0].device_kind)
@@ -143,10 +171,8 @@ def target_chip() -> Chip | None:
 
 def target_backend() -> str:
     """``"tpu"`` inside :func:`target`, else JAX's default backend."""
-    if _TARGET.get() is not None:
+    if _target_name() is not None:
         return "tpu"
-    import jax
-
     return jax.default_backend()
 
 
@@ -155,7 +181,6 @@ def vmem_bytes() -> tuple[int, str]:
     chip = target_chip()
     if chip is not None:
         return chip.vmem_bytes, f"tpuattn.chips ({chip.name})"
-    import jax
 
     backend = jax.default_backend()
     if backend == "tpu":

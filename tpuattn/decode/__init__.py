@@ -2,8 +2,9 @@
 
 ``tpuattn.decode.attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, window=None,
 softcap=None, impl="auto")`` -- see :func:`tpuattn.decode.api.attention` for the contract and
-:mod:`tpuattn.decode.spec` for what is checked when. Implementations (a registry of their own,
-:mod:`tpuattn.decode.registry`):
+:mod:`tpuattn.decode.spec` for what is checked when. Implementations (declared in
+:data:`IMPLEMENTATION_MODULES` and imported on first use; their records live in
+:mod:`tpuattn.decode.registry`, the machinery of :class:`tpuattn.registry.Registry`):
 
 * ``reference``: gather pages, mask, materialised float32 softmax (:mod:`.reference`);
 * ``pallas``: a split-K flash-decoding Pallas kernel that neither fetches nor computes blocks past a
@@ -12,15 +13,44 @@ softcap=None, impl="auto")`` -- see :func:`tpuattn.decode.api.attention` for the
   translated or refused (:mod:`.native`).
 
 ``impl="auto"`` picks ``pallas`` on a TPU and ``reference`` elsewhere. :func:`schedule` counts the
-blocks the kernel fetches and skips; :mod:`tpuattn.decode.roofline` models a decode step's bytes, FLOPs
-and time per chip (modelled numbers).
+blocks the kernel fetches and skips; :mod:`tpuattn.model.decode` models a decode step's bytes, FLOPs
+and time per JAX device (modelled numbers).
 """
 
-from tpuattn.decode.api import attention, choose, get_implementation, implementations, known_implementations
-from tpuattn.decode.kernel import merge_partials, schedule
-from tpuattn.decode.reference import plain_decode
+import importlib
+
+from tpuattn.decode.api import (
+    attention,
+    choose,
+    get_implementation,
+    implementations,
+    known_implementations,
+    unavailable_implementations,
+)
+from tpuattn.decode.registry import REGISTRY as _REGISTRY
 from tpuattn.decode.spec import DecodeSpec, decode_spec_from_shapes, make_decode_spec
 
+# The built-in decode implementations: name -> (the module that registers it, its priority), imported
+# on first use; the priority breaks ``auto`` ties (lower wins), whatever order the modules load in.
+IMPLEMENTATION_MODULES = {
+    "reference": ("tpuattn.decode.reference", 10),
+    "pallas": ("tpuattn.decode.kernel", 20),
+    "jax_paged": ("tpuattn.decode.native", 30),
+    "jax_ragged": ("tpuattn.decode.native", 40),
+}
+for _name, (_module, _priority) in IMPLEMENTATION_MODULES.items():
+    _REGISTRY.declare(_name, _module, priority=_priority)
+
+# Names from implementation modules, imported on first access (importing the package loads none).
+_LAZY = {"schedule": "tpuattn.decode.kernel", "plain_decode": "tpuattn.decode.reference"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tpuattn.decode' has no attribute {name!r}")
+
+
 __all__ = ["DecodeSpec", "attention", "choose", "decode_spec_from_shapes", "get_implementation",
-           "implementations", "known_implementations", "make_decode_spec", "merge_partials", "plain_decode",
-           "schedule"]
+           "implementations", "known_implementations", "make_decode_spec", "plain_decode",
+           "schedule", "unavailable_implementations"]

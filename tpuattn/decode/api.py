@@ -1,74 +1,48 @@
-"""The decode contract: :func:`attention` over a KV cache, :func:`implementations`, the ``auto`` rule."""
+"""The decode contract: :func:`attention` over a KV cache, :func:`implementations`, the ``auto`` rule.
+
+The registry machinery is :class:`tpuattn.registry.Registry`, the attention contract's own
+(:mod:`tpuattn.decode.registry` holds decode's records and declares its built-ins).
+"""
 
 from __future__ import annotations
 
-import importlib
-
-from tpuattn import chips
-from tpuattn.decode import registry
+from tpuattn.decode.registry import REGISTRY, DecodeImplementation
 from tpuattn.decode.spec import DecodeSpec, make_decode_spec
-from tpuattn.errors import UnavailableImplementation, UnsupportedInput
-
-IMPLEMENTATION_MODULES = ("tpuattn.decode.reference", "tpuattn.decode.kernel", "tpuattn.decode.native")
-_LOADED = False
-
-
-def _load() -> dict[str, registry.DecodeImplementation]:
-    global _LOADED
-    if not _LOADED:
-        for module in IMPLEMENTATION_MODULES:
-            importlib.import_module(module)
-        _LOADED = True
-    return registry.registered()
+from tpuattn.registry import Choice
 
 
 def known_implementations() -> tuple[str, ...]:
-    """Every registered decode implementation, available here or not."""
-    return tuple(_load())
+    """Every decode implementation, available here or not (imports nothing)."""
+    return REGISTRY.known()
 
 
 def implementations() -> tuple[str, ...]:
     """The decode implementations usable on this machine."""
-    return tuple(name for name, impl in _load().items() if impl.available())
+    return REGISTRY.available()
 
 
-def get_implementation(name: str) -> registry.DecodeImplementation:
-    known = _load()
-    if name not in known:
-        raise ValueError(f"impl: expected one of {sorted(known) + ['auto']}, got {name!r}")
-    return known[name]
+def unavailable_implementations() -> dict[str, str]:
+    """``{name: why}`` for the decode implementations that cannot run here."""
+    return REGISTRY.unavailable()
 
 
-def choose(spec: DecodeSpec, backend: str | None = None) -> str:
-    """``impl="auto"``: ``pallas`` on a TPU (the target chip's, see :func:`tpuattn.chips.target`),
-    ``reference`` elsewhere (the kernel only interprets off a TPU); the lowest ``auto_rank`` wins."""
-    backend = chips.target_backend() if backend is None else backend
-    ranked = []
-    for order, (name, impl) in enumerate(_load().items()):
-        if not impl.available() or impl.supports(spec, backend) is not None:
-            continue
-        rank = impl.auto_rank(spec, backend)
-        if rank is not None:
-            ranked.append((rank, order, name))
-    if not ranked:
-        raise UnsupportedInput(f"impl: no decode implementation supports this input on {backend}")
-    return min(ranked)[2]
+def get_implementation(name: str) -> DecodeImplementation:
+    """The registered record for ``name`` (importing its module on first use)."""
+    return REGISTRY.get(name)
 
 
-def resolve(impl: str, spec: DecodeSpec, backend: str | None = None) -> registry.DecodeImplementation:
-    if not isinstance(impl, str):
-        raise ValueError(f"impl: expected a string, got {impl!r}")
-    backend = chips.target_backend() if backend is None else backend
-    if impl == "auto":
-        impl = choose(spec, backend)
-    record = get_implementation(impl)
-    if not record.available():
-        raise UnavailableImplementation(f"impl: {impl!r} is not available with this JAX; available here: "
-                                        f"{list(implementations())}")
-    reason = record.supports(spec, backend)
-    if reason is not None:
-        raise UnsupportedInput(f"impl: {impl!r} does not support this input: {reason}")
-    return record
+def choose(spec: DecodeSpec, backend: str | None = None) -> Choice:
+    """``impl="auto"``, with its reason and refusals: the lowest ``auto_rank`` among the available
+    implementations that support ``spec`` on ``backend`` (default: the target's, see
+    :func:`tpuattn.chips.target`), ties to the lower priority. The ranks put the split-K kernel first on
+    a TPU and the materialised reference elsewhere (the kernel only interprets off a TPU)."""
+    return REGISTRY.choose(spec, backend)
+
+
+def resolve(impl: str, spec: DecodeSpec, backend: str | None = None) -> DecodeImplementation:
+    """The record that will serve ``spec`` (by name, or ``"auto"``), refused with
+    :class:`~tpuattn.errors.UnavailableImplementation` or :class:`~tpuattn.errors.UnsupportedInput`."""
+    return REGISTRY.resolve(impl, spec, backend)
 
 
 def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, window=None, softcap=None,
@@ -93,15 +67,16 @@ def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, wind
       window: an int ``w`` or ``(left, right)`` as in :func:`tpuattn.attention`, relative to each
         query's position (with the causal mask only ``left`` narrows anything).
       softcap: logits ``s`` become ``softcap * tanh(s / softcap)``.
-      impl: ``"auto"`` (``pallas`` on a TPU, ``reference`` elsewhere), ``"reference"``, ``"pallas"``,
-        ``"jax_paged"``, ``"jax_ragged"`` (see :func:`implementations`).
-      **options: for the implementation (``pallas``: ``block_size``, ``chunk_blocks``, ``interpret``).
+      impl: ``"auto"`` (see :func:`choose`) or a name from :func:`implementations` (the list is in
+        :mod:`tpuattn.decode`'s docstring).
+      **options: for the implementation (the split-K kernel's: ``block_size``, ``chunk_blocks``,
+        ``interpret``).
 
     Bad shapes, dtypes, lengths outside ``[0, capacity]`` and page ids in use outside
     ``[0, num_pages)`` raise ``ValueError``/``TypeError``; the value checks need concrete arrays (under
     ``jax.jit`` lengths are clamped into range and page ids into ``[0, num_pages)`` instead, see
-    :mod:`tpuattn.decode.spec`). Decode is inference: no implementation defines a backward pass for
-    ``pallas``/``jax_*`` (differentiating them fails inside ``pallas_call``); ``reference`` is plain JAX.
+    :mod:`tpuattn.decode.spec`). Decode is inference: the Pallas kernels define no backward pass
+    (differentiating them fails inside ``pallas_call``); the materialised reference is plain JAX.
 
     Returns:
       An array of q's shape and dtype.

@@ -6,8 +6,9 @@ is ``chunk_steps`` steps (``chunk_blocks`` blocks rounded up to whole steps). Gr
 ``(batch, kv_head_group, chunk, step_in_chunk)``: the first three axes are independent (``parallel``,
 so Mosaic may spread them over TensorCores: this is the split over the cache that keeps a chip busy
 when ``batch x kv_heads`` is small); the last runs an online softmax over the chunk's blocks in VMEM
-scratch (``arbitrary``). Each chunk writes a partial output and its logsumexp; :func:`merge_partials`
-combines the chunks afterwards.
+scratch (``arbitrary``). Each chunk writes a partial output and its row statistics ``(m, log l)``
+(two lanes); :func:`partials` hands each chunk on as a :class:`tpuattn.softmax.Partial`, and
+:func:`tpuattn.softmax.merge` combines them afterwards.
 
 ``lengths`` (and the flattened ``page_table``) are scalar-prefetched into SMEM
 (``pltpu.PrefetchScalarGridSpec``), so the index maps and the kernel know each sequence's useful blocks
@@ -42,17 +43,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuattn import chips
+from tpuattn import chips, softmax
 from tpuattn._checks import known_options, positive_int
 from tpuattn.decode.registry import register
 from tpuattn.decode.spec import DecodeSpec, padded_rows
-from tpuattn.impl.common import (
-    apply_softcap,
-    first_order_only,
-    low_precision_matmul_refused,
-    matmul_precision,
-)
+from tpuattn.numerics import apply_softcap, first_order_only, matmul_precision
 from tpuattn.pallas.layout import LANES, NT_DIMS
+from tpuattn.supports import low_precision_matmul_refused
 
 OPTIONS = ("block_size", "chunk_blocks", "pages_per_step", "interpret")
 DEFAULT_BLOCK_SIZE = 512  # rows of a contiguous cache per block
@@ -206,25 +203,6 @@ def schedule(lengths, block_size: int, *, q_len: int = 1, window=None, capacity:
                 chunk_steps=chunk_steps, num_chunks=geo.num_chunks, head_groups=groups)
 
 
-# ---------------------------------------------------------------------------- merging chunks
-def merge_partials(outs, lses):
-    """Combine partial attention results computed over disjoint key sets.
-
-    ``outs``: ``[chunks, ..., head_dim]``, each chunk's softmax-normalised output over its own keys;
-    ``lses``: ``[chunks, ...]``, the logsumexp of each chunk's logits (``-inf`` for a chunk that saw no
-    key, whose output must be 0). Returns ``(out [..., head_dim], lse [...])`` in float32: the
-    attention over the union of the keys; rows no chunk saw give zeros and ``-inf``.
-    """
-    outs = jnp.asarray(outs, jnp.float32)
-    lses = jnp.asarray(lses, jnp.float32)
-    m = jnp.max(lses, axis=0)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lses - m_safe)  # exp(-inf) = 0 for empty chunks
-    total = jnp.sum(w, axis=0)
-    out = jnp.sum(w[..., None] * outs, axis=0) / jnp.where(total == 0, 1.0, total)[..., None]
-    return out, m_safe + jnp.log(total)
-
-
 # ---------------------------------------------------------------------------- the kernel
 def _row_position(rows: int, cols: int, q_len: int):
     """``t`` of each query row ``r = g * q_len + t``, as ``[rows, cols]`` int32: ``r mod q_len`` computed
@@ -239,7 +217,7 @@ def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, head
                    precision):
     lengths_ref, refs = refs[0], refs[2 if paged else 1:]
     q_ref, k_refs, v_refs = refs[0], refs[1:1 + per_step], refs[1 + per_step:1 + 2 * per_step]
-    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
+    o_ref, stats_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
     b, c, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     length = lengths_ref[b]
 
@@ -285,7 +263,12 @@ def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, head
         m, l_sum = m_ref[...], l_ref[...]
         seen = l_sum != 0
         o_ref[...] = jnp.where(seen[..., :1], acc_ref[...] / jnp.where(seen, l_sum, 1.0)[..., :1], 0.0)
-        lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+        # The row statistics as two terms (lane 0: m, lane 1: log l), the convention of
+        # tpuattn.softmax.Partial: a row that saw nothing is m = -inf (never raised), log l = 0. Their
+        # float32 sum would lose the low bits of log l for logits near 1e4.
+        lane = jax.lax.broadcasted_iota(jnp.int32, m.shape, 2)
+        stats_ref[...] = jnp.where(lane == 0, jnp.where(seen, m, -jnp.inf),
+                                   jnp.log(jnp.where(seen, l_sum, 1.0)))
 
 
 def resolve_interpret(interpret):
@@ -297,9 +280,10 @@ def resolve_interpret(interpret):
     raise ValueError(f"interpret: expected None, True or False, got {interpret!r}")
 
 
-def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Geometry, interpret):
-    """Run the kernel: per-chunk ``(out [chunks, batch, kv_heads, rows, d], lse [chunks, batch, kv_heads,
-    rows])`` in float32 (rows: group heads x q_len, padded)."""
+def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Geometry,
+             interpret) -> list[softmax.Partial]:
+    """Run the kernel: one :class:`tpuattn.softmax.Partial` per split-K chunk (attention over the
+    chunk's keys; ``out [batch, q_len, heads, d]`` float32, ``m, log_l [batch, heads, q_len]``)."""
     b, tq, h, d = q.shape
     hk, g = spec.num_kv_heads, spec.group_size
     rows, hb = geo.rows, geo.heads_per_block
@@ -361,13 +345,20 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
                            + 4 * geo.num_chunks * b * hk * rows * (d + LANES))
     out_shape = [jax.ShapeDtypeStruct((geo.num_chunks, b, hk, rows, d), jnp.float32),
                  jax.ShapeDtypeStruct((geo.num_chunks, b, hk, rows, LANES), jnp.float32)]
-    out, lse = pl.pallas_call(
+    out, stats = pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, cost_estimate=cost, name="tpuattn_decode_split_k",
     )(*prefetch, qk, *[kc] * n, *[vc] * n)
-    return out, lse[..., 0]
+    # The kernel's edge: [chunks, b, kv_heads, rows, ...] (rows r = g * q_len + t, padded) to the
+    # contract's layout, query head kv_head * group + g.
+    nc = geo.num_chunks
+    out = out[:, :, :, : g * tq].reshape(nc, b, hk, g, tq, d).transpose(0, 1, 4, 2, 3, 5).reshape(
+        nc, b, tq, h, d)
+    row_stats = lambda lane: stats[:, :, :, : g * tq, lane].reshape(nc, b, h, tq)
+    m, log_l = row_stats(0), row_stats(1)
+    return [softmax.Partial(out[c], m[c], log_l[c]) for c in range(nc)]
 
 
 def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, **options):
@@ -379,12 +370,8 @@ def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, **
     geo = geometry(spec, *(options.get(k) for k in ("block_size", "chunk_blocks", "pages_per_step")))
     interpret = resolve_interpret(options.get("interpret"))
     run = functools.partial(partials, spec=spec, geo=geo, interpret=interpret)
-    out, lse = first_order_only(run, FORWARD_ONLY)(q, k_cache, v_cache, lengths, page_table)
-    merged, _ = merge_partials(out, lse)  # [b, hk, rows, d]
-    b, tq, h, d = q.shape
-    g = spec.group_size
-    merged = merged[:, :, : g * tq].reshape(b, spec.num_kv_heads, g, tq, d)
-    return merged.transpose(0, 3, 1, 2, 4).reshape(b, tq, h, d).astype(q.dtype)
+    chunks = first_order_only(run, FORWARD_ONLY)(q, k_cache, v_cache, lengths, page_table)
+    return softmax.merge(*chunks).out.astype(q.dtype)
 
 
 def pallas_supports(spec: DecodeSpec, backend: str | None = None) -> str | None:

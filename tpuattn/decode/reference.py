@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from tpuattn._checks import known_options
 from tpuattn.decode.registry import register
-from tpuattn.impl.common import apply_softcap, matmul
+from tpuattn.numerics import apply_softcap, matmul
 
 
 def gather_cache(cache, page_table):

@@ -1,5 +1,9 @@
-"""The decode implementations' own registry (the same idea as :mod:`tpuattn.registry`, for the
-decode contract: ``fn(q, k_cache, v_cache, lengths, page_table, spec, **options)``)."""
+"""The decode contract's registry: its own record and problem type, the machinery of
+:class:`tpuattn.registry.Registry` (the same ``register``, ``choose`` with refusals, ``resolve`` and
+errors as :func:`tpuattn.attention`'s).
+
+The contract: ``fn(q, k_cache, v_cache, lengths, page_table, spec, **options)``.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,7 @@ import dataclasses
 from collections.abc import Callable
 
 from tpuattn.decode.spec import DecodeSpec
-
-
-def _always(*_args) -> bool:
-    return True
-
-
-def _supports_everything(spec: DecodeSpec, backend: str | None = None) -> str | None:
-    return None
-
-
-def _never_auto(spec: DecodeSpec, backend: str) -> float | None:
-    return None
+from tpuattn.registry import DEFAULT_PRIORITY, Registry, _always, _never_auto, _supports_everything
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +24,13 @@ class DecodeImplementation:
         (``lengths`` int32 ``[batch]``, ``page_table`` int32 or None); returns an array of q's shape
         and dtype.
       description: one line for listings.
-      available: ``available() -> bool``: do its modules import on this JAX?
+      available: ``available() -> bool``: can it run on this machine (do its modules import on this JAX)?
       supports: ``supports(spec, backend) -> None or a reason`` (a sentence naming what it cannot express).
       auto_rank: the ``impl="auto"`` preference (lower wins); ``None``: never chosen automatically.
       interpreted_off_tpu: a Pallas TPU kernel that runs in interpret mode elsewhere (timings there are
         not kernel speed).
       options: the option names ``fn`` accepts.
+      priority: breaks ``auto`` ties (lower wins); a built-in takes its declared one.
     """
 
     name: str
@@ -47,29 +41,25 @@ class DecodeImplementation:
     auto_rank: Callable[[DecodeSpec, str], float | None] = _never_auto
     interpreted_off_tpu: bool = False
     options: tuple[str, ...] = ()
+    priority: int = DEFAULT_PRIORITY
 
 
-_REGISTRY: dict[str, DecodeImplementation] = {}
+# The built-ins are declared by the package (:data:`tpuattn.decode.IMPLEMENTATION_MODULES`): their
+# modules import this one.
+REGISTRY: Registry[DecodeImplementation] = Registry(DecodeImplementation, noun="decode implementation")
 
 
 def register(name: str, fn: Callable, *, description: str, replace: bool = False,
              **fields) -> DecodeImplementation:
     """Register a decode implementation under ``name``; a second registration raises unless ``replace``."""
-    if not isinstance(name, str) or not name or name == "auto":
-        raise ValueError(f"name: expected a non-empty string other than 'auto', got {name!r}")
-    if name in _REGISTRY and not replace:
-        raise ValueError(f"name: a decode implementation named {name!r} is already registered "
-                         "(pass replace=True to replace it)")
-    record = DecodeImplementation(name=name, fn=fn, description=description, **fields)
-    _REGISTRY[name] = record
-    return record
+    return REGISTRY.register(name, fn, description=description, replace=replace, **fields)
 
 
 def unregister(name: str) -> None:
     """Remove ``name`` (for tests and experiments)."""
-    _REGISTRY.pop(name, None)
+    REGISTRY.unregister(name)
 
 
 def registered() -> dict[str, DecodeImplementation]:
-    """The registry as it stands."""
-    return _REGISTRY
+    """Every decode implementation's record, loading the built-ins not loaded yet."""
+    return REGISTRY.records()

@@ -58,9 +58,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tpuattn import softmax
 from tpuattn._checks import known_options, positive_int
-from tpuattn.impl.common import mark_varying, matmul, pad_to_multiple, varying_axes
+from tpuattn.numerics import matmul, pad_to_multiple
 from tpuattn.registry import PartialOps, register
+from tpuattn.sharding import mark_varying, varying_axes
 from tpuattn.spec import EMPTY, FULL, MaskSpec
 
 OPTIONS = ("block_q", "block_kv")
@@ -267,9 +269,9 @@ def _forward(cfg: _Config, qt, kt, vt, segs):
     out = acc / jnp.where(seen, denom, 1.0)[..., None]
     # The log-sum-exp is kept as the pair (m, log l): the backward computes
     # exp((s - m) - log l), which stays exact for logits of magnitude 1e3 where
-    # s - (m + log l) would lose the low bits of log l. Rows that see nothing get
-    # m = +inf so that exp(s - m) = 0 in the backward.
-    m = jnp.where(seen, m, jnp.inf)
+    # s - (m + log l) would lose the low bits of log l. Rows that see nothing:
+    # m = -inf, log l = 0 (the convention of tpuattn.softmax.Partial).
+    m = jnp.where(seen, m, -jnp.inf)
     log_denom = jnp.log(jnp.where(seen, denom, 1.0))
     return out, (m, log_denom)
 
@@ -277,7 +279,10 @@ def _forward(cfg: _Config, qt, kt, vt, segs):
 def _tile_probabilities(cfg, q_rows, k_blk, m_rows, log_denom_rows, keep):
     """The forward's probabilities of one tile, recomputed from the saved (max, log sum)."""
     s, tanh_s = _logits(cfg, q_rows, k_blk)
-    p = jnp.exp((s - m_rows[..., None]) - log_denom_rows[..., None])
+    # A row that saw nothing (m = -inf) is shifted by +inf instead, so that exp(s - shift) = 0
+    # (not exp(+inf), which a padded query row in an unmasked step would turn into NaN gradients).
+    shift = jnp.where(m_rows == -jnp.inf, jnp.inf, m_rows)
+    p = jnp.exp((s - shift[..., None]) - log_denom_rows[..., None])
     if keep is not None:
         p = jnp.where(keep, p, 0.0)
     return p, tanh_s
@@ -435,11 +440,11 @@ def blockwise_attention(q, k, v, segment_ids, spec, **options):
 
 # ----------------------------------------------------------------------------- one block of many
 def _stats_in(spec, tq_padded, m, log_l):
-    """Whole-problem row stats ``[b, H, Tq]`` (``m = -inf``: sees nothing) in the loop's layout and
-    convention (``m = +inf`` so that ``exp(s - m) = 0``), padded rows seeing nothing."""
+    """Whole-problem row stats ``[b, H, Tq]`` (``m = -inf``: sees nothing) in the loop's layout
+    ``[b, hkv, g, Tq_padded]``, padded rows seeing nothing."""
     b, hq, tq = m.shape
     pad = ((0, 0), (0, 0), (0, tq_padded - tq))
-    m = jnp.pad(jnp.where(m == -jnp.inf, jnp.inf, m), pad, constant_values=jnp.inf)
+    m = jnp.pad(m, pad, constant_values=-jnp.inf)
     log_l = jnp.pad(log_l, pad)
     shape = (b, spec.num_kv_heads, spec.group_size, tq_padded)
     return m.reshape(shape), log_l.reshape(shape)
@@ -451,12 +456,11 @@ def _rows_out(spec, x, tq):
 
 
 def partial_forward(q, k, v, segment_ids, spec, **options):
-    """This block's ``(out, m, log_l)`` (see :class:`tpuattn.registry.PartialOps`)."""
+    """This block's :class:`tpuattn.softmax.Partial` (see :class:`tpuattn.registry.PartialOps`)."""
     cfg, qt, kt, vt, segs = _layout(q, k, v, segment_ids, spec, options)
     out, (m, log_l) = _forward(cfg, qt, kt, vt, segs)
-    m = jnp.where(m == jnp.inf, -jnp.inf, m)
     tq = q.shape[1]
-    return _from_rows_layout(q, out), _rows_out(spec, m, tq), _rows_out(spec, log_l, tq)
+    return softmax.Partial(_from_rows_layout(q, out), _rows_out(spec, m, tq), _rows_out(spec, log_l, tq))
 
 
 def partial_row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options):
@@ -494,6 +498,8 @@ def blockwise_auto_rank(spec, backend: str) -> float:
 
 register("blockwise", blockwise_attention, auto_rank=blockwise_auto_rank, schedule="blockwise (XLA loop)",
          partial=PARTIAL,
+         # The local kernel of tpuattn.parallel with impl="auto" off a TPU (after pallas on one).
+         partial_rank=lambda spec, backend: 1.0,
          default_blocks=lambda spec, chip=None: default_blocks(spec.q_len, spec.kv_len),
          options=OPTIONS,
          description="online softmax in pure JAX: static schedule over key blocks, masked blocks "

@@ -10,8 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tpuattn import softmax
 from tpuattn._checks import known_options
-from tpuattn.impl.common import apply_softcap, matmul
+from tpuattn.numerics import apply_softcap, matmul
 from tpuattn.registry import PartialOps, register
 
 
@@ -64,6 +65,7 @@ def _block_probabilities(q, k, segment_ids, spec, m, log_l):
 
 
 def _partial_forward(q, k, v, segment_ids, spec, **options):
+    """This block's :class:`tpuattn.softmax.Partial` (a row that sees nothing: ``m = -inf``, zeros)."""
     known_options("reference", options, ())
     b, tq, hq, _ = q.shape
     s = jnp.where(visibility(segment_ids, spec), scores(q, k, spec), -jnp.inf)
@@ -73,7 +75,8 @@ def _partial_forward(q, k, v, segment_ids, spec, **options):
     out = matmul("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v) / jnp.where(denom > 0, denom, 1.0).transpose(
         0, 3, 1, 2)[..., None]
     rows = lambda x: x.reshape(b, hq, tq)
-    return out.reshape(q.shape), rows(m), rows(jnp.log(jnp.where(denom > 0, denom, 1.0)))
+    return softmax.Partial(out.reshape(q.shape).astype(jnp.float32), rows(m),
+                           rows(jnp.log(jnp.where(denom > 0, denom, 1.0))))
 
 
 def _partial_row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options):

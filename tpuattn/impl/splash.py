@@ -23,15 +23,10 @@ import jax.numpy as jnp
 
 from tpuattn import chips
 from tpuattn._checks import known_options, positive_int, round_up
-from tpuattn.impl.common import (
-    first_order_only,
-    long_enough_for_flash,
-    low_precision_matmul_refused,
-    mark_varying,
-    varying_axes,
-    vma_checks_off,
-)
-from tpuattn.registry import register
+from tpuattn.numerics import first_order_only
+from tpuattn.registry import ScheduleModel, register
+from tpuattn.sharding import mark_varying, varying_axes, vma_checks_off
+from tpuattn.supports import long_enough_for_flash, low_precision_matmul_refused
 
 # ---------------------------------------------------------------------------- impl="splash"
 SPLASH_OPTIONS = ("block_q", "block_kv", "interpret")
@@ -287,5 +282,5 @@ register("splash", splash_attention, supports=splash_supports, available=_splash
          default_blocks=default_blocks, options=SPLASH_OPTIONS,
          # The adapter transposes Q, K, V to [batch, heads, seq, head_dim] (and O back); the kernel
          # saves a float32 logsumexp per row.
-         model={"lse_row_bytes": 4, "delta_row_bytes": 4, "kernel_layout_copies": True},
+         model=ScheduleModel(lse_row_bytes=4, delta_row_bytes=4, kernel_layout_copies=True),
          description="JAX's splash-attention Pallas kernel (TPU; interpret mode elsewhere)")

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from tpuattn._checks import known_options
-from tpuattn.impl.common import long_enough_for_flash
-from tpuattn.registry import register
+from tpuattn.registry import ScheduleModel, register
+from tpuattn.supports import long_enough_for_flash
 
 # ---------------------------------------------------------------------------- impl="xla"
 # Options: ``implementation`` is passed to jax.nn.dot_product_attention (None = cuDNN on a GPU
@@ -125,5 +125,5 @@ def xla_auto_rank(spec, backend: str) -> float:
 LIVE_SCORES = {"fwd": lambda p: 8 if p < 4 else 4, "fwd+bwd": lambda p: 8}
 
 register("xla", xla_attention, supports=xla_supports, auto_rank=xla_auto_rank, schedule="materialised",
-         options=XLA_OPTIONS, model={"live_scores": LIVE_SCORES},
+         options=XLA_OPTIONS, model=ScheduleModel(live_scores=LIVE_SCORES),
          description="jax.nn.dot_product_attention (XLA; cuDNN on a GPU when the case allows)")

@@ -16,6 +16,11 @@ From a shell::
     python -m tpuattn.aot --chips v5e,v6e --impls xla,pallas,splash --seq-lens 2048,8192 \\
         --modes fwd,fwd+bwd --dtype bfloat16 --out out/aot
 
+One invocation writes one whole report file (:func:`document`): its rows with the ``command`` (argv),
+``created`` date, ``versions`` (python, jax, jaxlib, libtpu) and ``problems`` (the sweep the rows were
+compiled from). ``python -m tpuattn.aot --reproduce FILE [--limit N]`` (:mod:`tpuattn.measure.reports`)
+compiles a report's problems again and prints a row-by-row diff.
+
 Keep the compile-only environment apart from the notebooks' (libtpu makes JAX look for a TPU at start):
 the CLI sets ``JAX_PLATFORMS=cpu`` before JAX starts, which leaves the topologies available.
 """
@@ -89,7 +94,10 @@ def chip_known(chip_name: str) -> bool:
         return False
     try:
         _topology(name)
-    except Exception:  # noqa: BLE001 - JAX raises XlaRuntimeError / JaxRuntimeError by version
+    except Exception as error:  # noqa: BLE001 - JAX raises XlaRuntimeError / JaxRuntimeError by version
+        if "lockfile" in str(error):  # another process holds libtpu: not a fact about the chip
+            raise RuntimeError(f"chip_name: cannot ask the TPU compiler about {chip_name!r} now: "
+                               f"{error}") from error
         _UNKNOWN_TOPOLOGIES.add(name)
         return False
     return True
@@ -320,14 +328,22 @@ def block_row(chip_name: str, kernel: str, block_q: int, block_kv: int, head_dim
             "jax_version": row["jax_version"], "libtpu_version": row["libtpu_version"]}
 
 
+def block_jobs(problems: dict) -> list[tuple]:
+    """``(chip, kernel, block_q, block_kv, head_dim, dtype)`` for every pair ``block_kv <= block_q`` of
+    a block sweep's ``problems`` (``chips``, ``kernels``, ``head_dims``, ``dtypes``, ``candidates``)."""
+    return [(c, k, bq, bk, d, t) for c in problems["chips"] for k in problems["kernels"]
+            for d in problems["head_dims"] for t in problems["dtypes"]
+            for bq in problems["candidates"] for bk in problems["candidates"] if bk <= bq]
+
+
 def block_table(chip_names, head_dims=(128, 256), dtypes=("bfloat16", "float32"),
                 candidates=BLOCK_CANDIDATES, kernels=KERNELS, progress: bool = True) -> list:
     """:func:`block_row` for every chip, kernel, head_dim, dtype and pair ``block_kv <= block_q``.
 
     The kernels pad head_dim to a multiple of 128, so 64 compiles the same kernel as 128: the
     default sweeps the two widths that differ."""
-    jobs = [(c, k, bq, bk, d, t) for c in chip_names for k in kernels for d in head_dims for t in dtypes
-            for bq in candidates for bk in candidates if bk <= bq]
+    jobs = block_jobs(dict(chips=list(chip_names), kernels=list(kernels), head_dims=list(head_dims),
+                           dtypes=list(dtypes), candidates=list(candidates)))
     rows = []
     for n, job in enumerate(jobs, 1):
         rows.append(block_row(*job))
@@ -339,10 +355,23 @@ def block_table(chip_names, head_dims=(128, 256), dtypes=("bfloat16", "float32")
 
 
 # ---------------------------------------------------------------------------- reports and the CLI
+def report_jobs(problems: dict) -> list[tuple]:
+    """``(chip, impl, mode, Problem)`` of a report's ``problems`` (``chips``, ``impls``, ``modes`` and
+    ``problems``, each a :class:`Problem` as a dict), in the report's row order."""
+    return [(c, i, m, p) for c in problems["chips"] for p in _problems(problems) for i in problems["impls"]
+            for m in problems["modes"]]
+
+
+def _problems(problems: dict) -> list[Problem]:
+    return [Problem(**{**p, "window": None if p.get("window") is None else tuple(p["window"])})
+            for p in problems["problems"]]
+
+
 def report(chip_names, impls, modes, problems, *, options: dict | None = None, progress: bool = True) -> list:
     """Compile every (chip, impl, mode, problem); return the rows (``progress`` prints one line each)."""
     rows = []
-    jobs = [(c, i, m, p) for c in chip_names for p in problems for i in impls for m in modes]
+    jobs = report_jobs(dict(chips=list(chip_names), impls=list(impls), modes=list(modes),
+                            problems=[dataclasses.asdict(p) for p in problems]))
     for n, (chip, impl, mode, problem) in enumerate(jobs, 1):
         row = compile_row(chip, impl, mode, problem, (options or {}).get(impl))
         rows.append(row)
@@ -354,24 +383,84 @@ def report(chip_names, impls, modes, problems, *, options: dict | None = None, p
 
 
 def committed_report() -> dict:
-    """The compile report shipped with the package (``{"command", "rows", ...}``): what the notebooks
-    show as compiled facts where no TPU compiler is installed. Made by the command it records."""
+    """The compile report shipped with the package: what the notebooks show as compiled facts where no
+    TPU compiler is installed. Made by the command it records (``python -m tpuattn.aot --reproduce``
+    compiles its problems again and compares the rows)."""
     return json.loads(REPORT.read_text())
 
 
-def save(rows, out_dir, name: str = "aot", columns=COLUMNS) -> tuple:
-    """Write ``rows`` to ``out_dir/<name>.csv`` and ``out_dir/<name>.json``; return the two paths."""
+# ---------------------------------------------------------------------------- reproducible reports
+# A report file is one command's whole output: ``kind`` ("report", "blocks" or "slices"), ``command``
+# (its argv), ``created`` (UTC date), ``versions`` (what compiled it), ``problems`` (everything the
+# rows were compiled from: the sweep, which :func:`tpuattn.measure.reports.jobs` expands into one job
+# per row, in row order) and ``rows``. ``jax_version`` and ``libtpu_version`` repeat two of the
+# versions for the notebooks. :mod:`tpuattn.measure.reports` compiles a report file again and diffs it.
+KINDS = ("report", "blocks", "slices")
+FILE_NAMES = {"report": "aot", "blocks": "blocks", "slices": "slices"}
+UNKNOWN = "unknown (before recording)"
+BLOCKS_WHAT = ("Which Pallas block sizes the real TPU compiler accepts for tpuattn's kernels at Mosaic's "
+               "default scoped VMEM limit (compiled, not run)")
+
+
+def versions() -> dict:
+    """``{"python", "jax", "jaxlib", "libtpu"}``: what compiles rows here (``"none"``: not installed)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for name in ("jax", "jaxlib", "libtpu"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "none"
+    return found
+
+
+def document(kind: str, rows, *, command, problems: dict, label: str = LABEL, **extra) -> dict:
+    """One whole report: ``rows`` with the command, date, versions and problems that made them."""
+    import datetime
+
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
+    found = versions()
+    return {"kind": kind, "label": label, **extra, "command": [str(a) for a in command],
+            "created": datetime.datetime.now(datetime.UTC).date().isoformat(), "versions": found,
+            "jax_version": found["jax"], "libtpu_version": found["libtpu"], "problems": problems,
+            "rows": [_as_json(row) for row in rows]}
+
+
+def _as_json(row: dict) -> dict:
+    """A row as the JSON file holds it (tuples as lists, anything else unusual as its string)."""
+    return json.loads(json.dumps(row, default=str))
+
+
+def save(doc: dict, out_dir, columns=COLUMNS) -> tuple:
+    """Write a :func:`document` to ``out_dir/<name>.json`` (whole) and its rows to ``<name>.csv``
+    (``<name>``: ``aot``, ``blocks`` or ``slices`` by kind); return the two paths."""
     import csv
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    name = FILE_NAMES[doc["kind"]]
     csv_path, json_path = out / f"{name}.csv", out / f"{name}.json"
     with csv_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
-        writer.writerows(rows)
-    json_path.write_text(json.dumps({"label": LABEL, "rows": rows}, indent=1, default=str))
+        writer.writerows(doc["rows"])
+    json_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return csv_path, json_path
+
+
+def describe_problems(problems: dict) -> str:
+    """``"batch 1, 8 heads x 128, bfloat16, causal"``: what a report's problems share, in words."""
+    shared = {key: {json.dumps(p.get(key)) for p in problems["problems"]}
+              for key in ("batch", "heads", "kv_heads", "head_dim", "dtype", "causal")}
+    if any(len(values) > 1 for values in shared.values()):
+        return "several shapes (see problems)"
+    p = problems["problems"][0]
+    kv = "" if p.get("kv_heads") in (None, p["heads"]) else f" on {p['kv_heads']} kv heads"
+    return (f"batch {p['batch']}, {p['heads']} heads x {p['head_dim']}{kv}, {p['dtype']}, "
+            f"{'causal' if p['causal'] else 'not causal'}")
 
 
 def table(rows) -> str:
@@ -387,7 +476,7 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> list:
+def _parser():
     import argparse
 
     from tpuattn import chips
@@ -412,21 +501,44 @@ def main(argv=None) -> list:
     parser.add_argument("--head-dims", default="128,256", help="--blocks: head_dim 64 pads to 128")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    if not tpu_available():
-        parser.error('libtpu is not installed: pip install "jax[tpu]==<your JAX version>" '
-                     "(the compile-only TPU devices come with it)")
+    return parser
+
+
+def parse(argv) -> tuple[str, dict, object]:
+    """``(kind, problems, args)`` of a command line (``--blocks``: the block sweep, else the report)."""
+    args = _parser().parse_args(argv)
     split = lambda text: [item for item in text.split(",") if item]
     if args.blocks:
-        rows = block_table(split(args.chips), [int(d) for d in split(args.head_dims)], split(args.dtypes),
-                           progress=not args.no_progress)
-        print("wrote", *save(rows, args.out, "blocks", BLOCK_COLUMNS))
-        return rows
+        return "blocks", dict(chips=split(args.chips), kernels=list(KERNELS),
+                              head_dims=[int(d) for d in split(args.head_dims)], dtypes=split(args.dtypes),
+                              candidates=list(BLOCK_CANDIDATES)), args
     problems = [Problem(seq_len=int(t), batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                         head_dim=args.head_dim, dtype=args.dtype, causal=args.causal == "true")
                 for t in split(args.seq_lens)]
-    rows = report(split(args.chips), split(args.impls), split(args.modes), problems,
+    return "report", dict(chips=split(args.chips), impls=split(args.impls), modes=split(args.modes),
+                          problems=[dataclasses.asdict(p) for p in problems]), args
+
+
+def main(argv=None) -> list:
+    """``python -m tpuattn.aot``: one invocation writes one whole report (rows, command, versions,
+    problems); ``--reproduce FILE`` is :func:`tpuattn.measure.reports.main`."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    kind, problems, args = parse(argv)
+    if not tpu_available():
+        _parser().error('libtpu is not installed: pip install "jax[tpu]==<your JAX version>" '
+                        "(the compile-only TPU devices come with it)")
+    command = ["python", "-m", "tpuattn.aot", *argv]
+    if kind == "blocks":
+        rows = block_table(problems["chips"], problems["head_dims"], problems["dtypes"],
+                           problems["candidates"], problems["kernels"], progress=not args.no_progress)
+        print("wrote", *save(document("blocks", rows, command=command, problems=problems, what=BLOCKS_WHAT),
+                             args.out, BLOCK_COLUMNS))
+        return rows
+    rows = report(problems["chips"], problems["impls"], problems["modes"], _problems(problems),
                   progress=not args.no_progress)
     print(table(rows))
-    print("wrote", *save(rows, args.out))
+    print("wrote", *save(document("report", rows, command=command, problems=problems,
+                                  problem=describe_problems(problems)), args.out))
     return rows

@@ -11,7 +11,8 @@ sequence sharded over all its chips and reads, from the compiled SPMD program (o
   and its ``-done``?
 
 ``python -m tpuattn.aot --slices`` writes the rows; ``compiled_slices.json`` next to this module is
-the committed table notebook 06 shows, made by the command it records.
+the committed table notebook 06 shows, made by the command it records (``--preset notebook``: four
+sweeps in one invocation) and checked by ``python -m tpuattn.aot --reproduce``.
 """
 
 from __future__ import annotations
@@ -134,15 +135,43 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> list:
-    """``python -m tpuattn.aot --slices``: the slice report (see the module docstring)."""
-    import argparse
+# The committed report (notebook 06's table) in one invocation: ``--preset notebook``. Each sweep is the
+# cross product of its lists; the rows come in this order.
+PRESETS = {"notebook": (
+    dict(topologies=list(SLICES), strategies=["ring"], seq_lens=[32768, 131072, 524288, 1048576]),
+    dict(topologies=list(SLICES), strategies=["allgather"], seq_lens=[32768, 131072, 524288]),
+    dict(topologies=["v5e:2x4"], modes=["fwd+bwd"], seq_lens=[131072]),
+    dict(topologies=["v5e:2x2"], seq_lens=[131072]),
+)}
+SWEEP_DEFAULTS = dict(topologies=list(SLICES), strategies=["ring", "allgather"], layouts=["natural"],
+                      modes=["fwd"], seq_lens=[32768], batch=1, heads=8, kv_heads=None, head_dim=128,
+                      dtype="bfloat16", causal=True)
 
-    from tpuattn.measure.aot import save, tpu_available
+
+def slice_jobs(problems: dict) -> list[tuple]:
+    """``(topology, strategy, mode, seq_len, options)`` for every row of ``problems["sweeps"]``, in row
+    order (``options``: the keyword arguments of :func:`slice_row`)."""
+    jobs = []
+    for sweep in problems["sweeps"]:
+        sweep = {**SWEEP_DEFAULTS, **sweep}
+        options = dict(batch=sweep["batch"], heads=sweep["heads"],
+                       kv_heads=sweep["kv_heads"] or sweep["heads"], head_dim=sweep["head_dim"],
+                       dtype=sweep["dtype"], causal=sweep["causal"])
+        jobs += [(topology, strategy, mode, int(t), dict(options, layout=layout))
+                 for topology in sweep["topologies"] for strategy in sweep["strategies"]
+                 for layout in sweep["layouts"] for mode in sweep["modes"] for t in sweep["seq_lens"]]
+    return jobs
+
+
+def _parser():
+    import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tpuattn.aot --slices",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--slices", action="store_true", help="(selects this report)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="instead of the options below: a named list of sweeps, all in one report "
+                             "(notebook: the committed compiled_slices.json)")
     parser.add_argument("--topologies", default=",".join(SLICES))
     parser.add_argument("--strategies", default="ring,allgather")
     parser.add_argument("--layouts", default="natural")
@@ -156,24 +185,43 @@ def main(argv=None) -> list:
     parser.add_argument("--causal", choices=("true", "false"), default="true")
     parser.add_argument("--out", default="out/aot")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    if not tpu_available():
-        parser.error('libtpu is not installed: pip install "jax[tpu]==<your JAX version>"')
+    return parser
+
+
+def parse(argv) -> tuple[dict, object]:
+    """``(problems, args)`` of a ``--slices`` command line: ``problems["sweeps"]``, each complete."""
+    args = _parser().parse_args(argv)
+    if args.preset:
+        return {"sweeps": [{**SWEEP_DEFAULTS, **sweep} for sweep in PRESETS[args.preset]]}, args
     split = lambda text: [item for item in text.split(",") if item]
+    sweep = dict(topologies=split(args.topologies), strategies=split(args.strategies),
+                 layouts=split(args.layouts), modes=split(args.modes),
+                 seq_lens=[int(t) for t in split(args.seq_lens)],
+                 batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                 dtype=args.dtype, causal=args.causal == "true")
+    return {"sweeps": [sweep]}, args
+
+
+def main(argv=None) -> list:
+    """``python -m tpuattn.aot --slices``: the slice report (see the module docstring); one invocation
+    writes one whole report, every sweep of ``--preset`` included."""
+    import sys
+
+    from tpuattn.measure.aot import document, save, tpu_available
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    problems, args = parse(argv)
+    if not tpu_available():
+        _parser().error('libtpu is not installed: pip install "jax[tpu]==<your JAX version>"')
     rows = []
-    for topology in split(args.topologies):
-        for strategy in split(args.strategies):
-            for layout in split(args.layouts):
-                for mode in split(args.modes):
-                    for t in split(args.seq_lens):
-                        row = slice_row(topology, strategy, mode, int(t), layout=layout, batch=args.batch,
-                                        heads=args.heads, kv_heads=args.kv_heads or args.heads,
-                                        head_dim=args.head_dim, dtype=args.dtype,
-                                        causal=args.causal == "true")
-                        rows.append(row)
-                        if not args.no_progress:
-                            print(f"{topology} {strategy} {layout} {mode} T={t}: {row['status']} "
-                                  f"{row['compile_s']:.0f} s", flush=True)
+    for topology, strategy, mode, t, options in slice_jobs(problems):
+        row = slice_row(topology, strategy, mode, t, **options)
+        rows.append(row)
+        if not args.no_progress:
+            print(f"{topology} {strategy} {options['layout']} {mode} T={t}: {row['status']} "
+                  f"{row['compile_s']:.0f} s", flush=True)
     print(table(rows))
-    print("wrote", *save(rows, args.out, "slices", COLUMNS))
+    command = ["python", "-m", "tpuattn.aot", *argv]
+    print("wrote", *save(document("slices", rows, command=command, problems=problems, label=LABEL),
+                         args.out, COLUMNS))
     return rows

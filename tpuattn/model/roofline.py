@@ -6,9 +6,12 @@ as a fraction of that bound. The model reads its constants from the code it mode
 from :mod:`tpuattn.chips`, each implementation's schedule and default blocks from its registry
 record, the Pallas kernel's VMEM need and budget from :mod:`tpuattn.pallas.blocks`.
 
-**Chips.** :func:`chip_spec` gives one JAX *device* of a chip: peak bf16 FLOP/s, HBM bandwidth
-and capacity, and VMEM per TensorCore. A device is a whole chip on the megacore v4 and v5p and
-one TensorCore on v2, v3 and tpu7x (:meth:`tpuattn.chips.Chip.per_device`). The numbers are
+**Units: one JAX device.** Every model in :mod:`tpuattn.model` (this roofline, the decode roofline
+:mod:`tpuattn.model.decode`, the ring's communication :mod:`tpuattn.model.comm`) works per JAX device:
+:func:`chip_spec` gives one *device* of a chip: peak bf16 FLOP/s, HBM bandwidth and capacity, its
+share of an ICI link, and VMEM per TensorCore. A device is the whole chip on v5e and v6e (one
+TensorCore) and on the megacore v4 and v5p (one device spans both TensorCores), and one TensorCore,
+half the chip, on v2, v3 and tpu7x (:meth:`tpuattn.chips.Chip.per_device`). The numbers are
 :data:`tpuattn.chips.CHIPS` (JAX's own ``tpu_info`` table, kept in the package so every JAX
 version gets the same numbers); ``source="jax"`` reads ``pltpu.get_tpu_info_for_chip`` instead,
 where the installed JAX has it (>= 0.8.1).
@@ -61,6 +64,7 @@ from tpuattn._checks import positive_int
 from tpuattn.measure.flops import FORWARD_FLOPS_PER_SCORE, MODES, attention_flops, check_mode
 from tpuattn.pallas.blocks import backward_vmem_bytes, forward_vmem_bytes
 from tpuattn.pallas.layout import padded_head_dim
+from tpuattn.registry import ScheduleModel
 from tpuattn.spec import EMPTY, MaskSpec, spec_from_shapes
 
 GIB = 1024**3
@@ -74,7 +78,8 @@ SOURCES = ("table", "jax")
 
 __all__ = ["F32_PASSES", "GIB", "MIB", "MODES", "SCHEDULES", "SOURCES", "ChipSpec", "Cost", "Prediction",
            "chip_spec", "cost", "default_blocks", "jax_has_tpu_info", "materialise_crossover", "models",
-           "predict", "problem", "roofline_curve", "standard_flops", "visited_tiles", "vmem_crossover"]
+           "predict", "problem", "roofline_curve", "schedule_model", "standard_flops", "visited_tiles",
+           "vmem_crossover"]
 
 
 # ----------------------------------------------------------------------------- chips
@@ -90,6 +95,7 @@ class ChipSpec:
     tensor_cores: int  # per device (2 for the megacore v4 and v5p)
     source: str  # where the numbers come from
     kernel_vmem_bytes: int = 16 * MIB  # what a kernel gets (tpuattn.chips.Chip.kernel_vmem_bytes)
+    ici_link_bandwidth: float | None = None  # one-way bytes/s of one ICI link, this device's share
 
     @property
     def f32_flops(self) -> float:
@@ -129,7 +135,7 @@ def _from_table(chip: chips.Chip) -> ChipSpec:
     return ChipSpec(name=chip.name, bf16_flops=device["bf16_flops"], hbm_bandwidth=device["hbm_bandwidth"],
                     hbm_capacity=device["hbm_bytes"], vmem_bytes=chip.vmem_bytes,
                     tensor_cores=chip.cores_per_device, source="tpuattn.chips (JAX's tpu_info table)",
-                    kernel_vmem_bytes=chip.kernel_vmem_bytes)
+                    kernel_vmem_bytes=chip.kernel_vmem_bytes, ici_link_bandwidth=device["ici_link_bandwidth"])
 
 
 def _from_jax(chip: chips.Chip) -> ChipSpec:
@@ -145,7 +151,8 @@ def _from_jax(chip: chips.Chip) -> ChipSpec:
                     hbm_capacity=float(info.hbm_capacity_bytes) * cores,
                     vmem_bytes=int(info.vmem_capacity_bytes), tensor_cores=cores,
                     source=f"pltpu.get_tpu_info_for_chip (JAX {jax.__version__})",
-                    kernel_vmem_bytes=chip.kernel_vmem_bytes)
+                    kernel_vmem_bytes=chip.kernel_vmem_bytes,
+                    ici_link_bandwidth=chip.per_device()["ici_link_bandwidth"])  # JAX has no ICI figures
 
 
 def chip_spec(name, *, source: str = "table") -> ChipSpec:
@@ -229,9 +236,19 @@ MATERIALISED_BWD_PASSES = (
     ("dQ = dS K and dK = dS^T Q, dS recomputed in the matmuls: read P, S", lambda p: p + 4),
     ("dV = P^T dO with the row sums: read S", lambda p: 4),
 )
-# Bytes per score element live at the peak, when the record does not say (``model["live_scores"]``):
+# Bytes per score element live at the peak, when the record does not say (``model.live_scores``):
 # S in f32, plus P for the backward.
 DEFAULT_LIVE_SCORES = {"fwd": lambda p: 4, "fwd+bwd": lambda p: 4 + p}
+
+
+def schedule_model(impl: str) -> ScheduleModel:
+    """``impl``'s :class:`tpuattn.registry.ScheduleModel` (its record's ``model``), read by attribute:
+    a record that carries anything else is an error, never a set of silent defaults."""
+    record = api.get_implementation(impl)
+    if not isinstance(record.model, ScheduleModel):
+        raise TypeError(f"{impl}: its record's model: expected a tpuattn.registry.ScheduleModel, "
+                        f"got {type(record.model).__name__}")
+    return record.model
 
 
 def models() -> dict[str, str]:
@@ -275,7 +292,7 @@ def _materialised(impl: str, spec, mode: str, chip: ChipSpec | None = None) -> C
     p = e  # P is cast to v's dtype; 4 bytes when v is f32
     n = spec.batch * spec.num_q_heads * spec.q_len * spec.kv_len  # score elements
     d = spec.head_dim
-    live = {**DEFAULT_LIVE_SCORES, **api.get_implementation(impl).model.get("live_scores", {})}[mode](p) * n
+    live = {**DEFAULT_LIVE_SCORES, **(schedule_model(impl).live_scores or {})}[mode](p) * n
     lean = DEFAULT_LIVE_SCORES[mode](p) * n
     io = _arguments_and_results(q_bytes, kv_bytes, mode)
     if chip is not None and live + io > chip.hbm_capacity:
@@ -319,11 +336,11 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     """The flash schedule. ``row_sum_pass``: the backward's delta is rowsum(P * dP), summed by a pass
     of its own over the visited tiles (tpuattn's Pallas kernel), not rowsum(dO * O) (splash)."""
     _check_blocks(q_block, kv_block)
-    params = api.get_implementation(impl).model
-    lse_row, delta_row = params.get("lse_row_bytes", 4), params.get("delta_row_bytes", 4)
+    params = schedule_model(impl)
+    lse_row, delta_row = params.lse_row_bytes, params.delta_row_bytes
     e = _itemsize(spec.dtype)
     # A kernel that pads head_dim to the 128 lanes moves and multiplies the padded width.
-    d = padded_head_dim(spec.head_dim) if params.get("pads_head_dim") else spec.head_dim
+    d = padded_head_dim(spec.head_dim) if params.pads_head_dim else spec.head_dim
     visited, nq, nk, _ = _visited_tiles(spec.mask, q_block, kv_block)
     heads = spec.batch * spec.num_q_heads  # the grid runs over (batch, q head, q block, kv block)
     tile_flops = float(FORWARD_FLOPS_PER_SCORE) * q_block * kv_block * d  # QK^T and PV of one tile
@@ -379,7 +396,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     widen = d / spec.head_dim  # the kernel layout's head_dim over the contract's
     rows = spec.batch * spec.num_q_heads * spec.q_len
     lse, delta = rows * lse_row, rows * delta_row
-    copies = params.get("kernel_layout_copies", False)
+    copies = params.kernel_layout_copies
     breakdown.append(("write logsumexp", lse))
     if copies:
         breakdown.append(("wrapper: Q, K, V into the kernel layout (read + write)",
@@ -496,6 +513,9 @@ def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_b
     schedule = api.get_implementation(impl).schedule
     if schedule is None:
         raise ValueError(f"impl: expected one of {sorted(models())} (modelled schedules), got {impl!r}")
+    if schedule not in SCHEDULES:  # a misspelt schedule is an error, never a silent default
+        raise ValueError(f"{impl}: its record's schedule: expected one of {list(SCHEDULES)}, "
+                         f"got {schedule!r}")
     if schedule == "materialised":
         return _materialised(impl, spec, mode, None if chip is None else _as_chip_spec(chip))
     if q_block is None or kv_block is None:
@@ -505,9 +525,7 @@ def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_b
     if schedule in ("flash", "flash (row-sum pass)"):
         return _flash(impl, spec, mode, q_block, kv_block, fused_backward,
                       row_sum_pass=schedule == "flash (row-sum pass)")
-    if schedule == "blockwise (XLA loop)":
-        return _blockwise(impl, spec, mode, q_block, kv_block)
-    raise ValueError(f"{impl}: its record's schedule {schedule!r} is not one of {list(SCHEDULES)}")
+    return _blockwise(impl, spec, mode, q_block, kv_block)  # "blockwise (XLA loop)"
 
 
 # ----------------------------------------------------------------------------- predictions

@@ -43,7 +43,6 @@ Files: ``compat.py`` (JAX 0.7.2 vs 0.10.2 only), ``blocks.py`` (sizes, VMEM mode
 step guard, counts), ``forward.py``, ``backward.py``, ``vjp.py`` (custom VJP and options).
 """
 
-from tpuattn.impl.common import low_precision_matmul_refused
 from tpuattn.pallas.backward import backward as flash_backward
 from tpuattn.pallas.blocks import (
     BackwardBlocks,
@@ -58,7 +57,8 @@ from tpuattn.pallas.forward import forward as flash_forward
 from tpuattn.pallas.layout import LANES
 from tpuattn.pallas.plan import ScheduleCounts, kv_schedule
 from tpuattn.pallas.vjp import OPTIONS, PARTIAL, pallas_attention, resolve_interpret
-from tpuattn.registry import register
+from tpuattn.registry import ScheduleModel, register
+from tpuattn.supports import low_precision_matmul_refused
 
 __all__ = [
     "BackwardBlocks",
@@ -96,8 +96,10 @@ register(
     default_blocks=_default_forward_blocks,
     options=OPTIONS,
     partial=PARTIAL,
+    # The local kernel of tpuattn.parallel with impl="auto" on a TPU (compiled there, interpreted elsewhere).
+    partial_rank=lambda spec, backend: 0.0 if backend == "tpu" else None,
     # logsumexp and delta are kept 128 lanes wide (f32), head_dim padded to 128, and the wrapper
     # copies Q, K, V, O (dO, dQ, dK, dV) to and from [batch, heads, seq, head_dim] around the kernels.
-    model={"lse_row_bytes": 4 * LANES, "delta_row_bytes": 4 * LANES, "pads_head_dim": True,
-           "kernel_layout_copies": True},
+    model=ScheduleModel(lse_row_bytes=4 * LANES, delta_row_bytes=4 * LANES, pads_head_dim=True,
+                        kernel_layout_copies=True),
 )

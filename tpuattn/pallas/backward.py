@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuattn._checks import round_up
-from tpuattn.impl.common import matmul_precision, pad_to_multiple
+from tpuattn.numerics import matmul_precision, pad_to_multiple
 from tpuattn.pallas import compat, plan
 from tpuattn.pallas.layout import (
     LANES,
@@ -172,9 +172,7 @@ class _Problem:
                                 precision=matmul_precision(q.dtype))
 
     def overlap(self, transpose=False):
-        if self.segs is None:
-            return None
-        return plan.segment_overlap(self.segs["q"], self.segs["kv"], self.bq, self.bk, transpose=transpose)
+        return plan.schedule_overlap(self.segs, self.bq, self.bk, self.interpret, transpose=transpose)
 
 
 def _q_major_pass(pb: _Problem, delta_col=None):

@@ -5,6 +5,8 @@
 * the TPU simulator's race flag: ``jax._src.pallas.mosaic.interpret.races`` (0.7.x, one module) or
   ``jax._src.pallas.mosaic.interpret.interpret_pallas_call.races`` (a package from 0.8).
 
+* none yet, but named here: :data:`INTERPRETER_READS_VARYING_TABLES`.
+
 Checked and found the same in 0.7.2 and 0.10.2 (so used directly, not wrapped):
 ``pltpu.CompilerParams(dimension_semantics=...)`` with strings, ``pltpu.VMEM``,
 ``pltpu.PrefetchScalarGridSpec``, ``pl.BlockSpec`` with ``None`` for squeezed dimensions,
@@ -54,3 +56,10 @@ def reset_races() -> None:
     state = race_state()
     if state is not None:
         state.races_found = False
+
+
+# JAX's Pallas interpreter (0.7.2 to 0.10.2) evaluates index maps at grid indices that vary over no
+# mesh axis; inside ``shard_map`` a scalar-prefetch table that varies (built from a device's own
+# segment ids) then fails to index ("dynamic_slice requires varying manual axes to match"). The
+# compiled TPU kernel is unaffected. Set True for a JAX whose interpreter types the indices.
+INTERPRETER_READS_VARYING_TABLES = False

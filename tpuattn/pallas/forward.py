@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuattn._checks import round_up
-from tpuattn.impl.common import apply_softcap, matmul_precision
+from tpuattn.numerics import apply_softcap, matmul_precision
 from tpuattn.pallas import compat, plan
 from tpuattn.pallas.layout import (
     LANES,
@@ -88,12 +88,13 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_s
         lse_ref[...] = jnp.where(lane == 0, m, jnp.where(lane == 1, log_l, seen.astype(jnp.float32)))
 
 
-def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False):
+def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype=None):
     """Pallas forward. Returns ``(out [b, q_len, h, d], logsumexp [b, h, q_len, 2] float32)``.
 
-    The logsumexp comes as its two terms ``(max, log(sum))``; their sum is the logsumexp
-    (0 for a row that sees no key). With ``seen`` a third column says whether the row saw any
-    key (1.0) or none (0.0).
+    ``out`` is in ``out_dtype`` (default: q's dtype; float32 for a block of a larger problem, whose
+    output is merged with others before it is rounded). The logsumexp comes as its two terms
+    ``(max, log(sum))``; their sum is the logsumexp (0 for a row that sees no key). With ``seen`` a
+    third column says whether the row saw any key (1.0) or none (0.0).
 
     ``blocks`` is a :class:`~tpuattn.pallas.blocks.ForwardBlocks`; ``interpret`` as for
     ``pallas_call`` (already resolved by the caller).
@@ -108,7 +109,7 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False):
     overlap, segs = None, None
     if segment_ids is not None:
         segs = segment_layouts(segment_ids, bq, bk)
-        overlap = plan.segment_overlap(segs["q"], segs["kv"], bq, bk)
+        overlap = plan.schedule_overlap(segs, bq, bk, interpret)
     sched = plan.build_schedule(plan.position_map(spec.mask, bq, bk, tq, tk), overlap)
     maps = plan.forward_index_maps(sched, spec.group_size)
 
@@ -122,7 +123,8 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False):
         operands += [segs["q_col"], segs["kv_row"]]
     out_specs = [pl.BlockSpec((None, None, bq, d), maps["q"]),
                  pl.BlockSpec((None, None, bq, LANES), maps["q"])]
-    out_shape = [compat.out_struct((spec.batch, spec.num_q_heads, tq, d), q.dtype, qp),
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    out_shape = [compat.out_struct((spec.batch, spec.num_q_heads, tq, d), out_dtype, qp),
                  compat.out_struct((spec.batch, spec.num_q_heads, tq, LANES), jnp.float32, qp)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from tpuattn._checks import round_up
-from tpuattn.impl.common import pad_to_multiple
+from tpuattn.numerics import pad_to_multiple
 
 SUBLANES, LANES = 8, 128
 

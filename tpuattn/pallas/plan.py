@@ -38,8 +38,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from tpuattn._checks import round_up
+from tpuattn.pallas import compat
 from tpuattn.pallas.blocks import as_block_sizes
 from tpuattn.pallas.layout import padded_segment_ids
+from tpuattn.sharding import varying_axes
 from tpuattn.spec import EMPTY, FULL, PARTIAL
 
 
@@ -87,6 +89,23 @@ def segment_overlap(q_segment_ids, kv_segment_ids, block_q: int, block_kv: int, 
     k_lo, k_hi = ks.min(-1), ks.max(-1)
     overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
     return jnp.swapaxes(overlap, 1, 2) if transpose else overlap
+
+
+def schedule_overlap(segs, block_q: int, block_kv: int, interpret, *, transpose: bool = False):
+    """The segment overlap a pass's schedule skips by (:func:`segment_overlap`), or None (positions
+    only: every tile is then masked by segment ids in the kernel, so the result is the same and only
+    tiles of disjoint segments are computed rather than skipped).
+
+    None for interpret mode inside ``shard_map`` when the ids vary over the mesh: JAX's interpreter
+    reads the scalar-prefetch tables at grid indices that do not vary, and a table built from a
+    device's own ids does (see :data:`tpuattn.pallas.compat.INTERPRETER_READS_VARYING_TABLES`). The
+    compiled kernel keeps the skipping there too.
+    """
+    if segs is None:
+        return None
+    if interpret and not compat.INTERPRETER_READS_VARYING_TABLES and varying_axes(segs["q"], segs["kv"]):
+        return None
+    return segment_overlap(segs["q"], segs["kv"], block_q, block_kv, transpose=transpose)
 
 
 def build_schedule(pos_map: np.ndarray, overlap=None) -> Schedule:

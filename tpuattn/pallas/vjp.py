@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuattn import chips
+from tpuattn import chips, softmax
 from tpuattn._checks import known_options
-from tpuattn.impl.common import first_order_only, mark_varying, varying_axes
+from tpuattn.numerics import first_order_only
 from tpuattn.pallas.backward import backward, row_sums
 from tpuattn.pallas.blocks import BlockSizes, as_block_sizes
 from tpuattn.pallas.forward import forward
 from tpuattn.registry import PartialOps
+from tpuattn.sharding import mark_varying, varying_axes
 from tpuattn.spec import AttentionSpec
 
 OPTIONS = ("block_sizes", "interpret")
@@ -112,18 +113,29 @@ def _block_call(q, k, v, segment_ids, spec, options, *rows):
     return q, k, v, segment_ids, arrays[len(arrays) - len(rows):], blocks, interpret
 
 
+# The kernels' edge: their row statistics are lanes (m, log l, seen) with (0, 0) for a row that saw
+# nothing; everything outside speaks tpuattn.softmax.Partial (m = -inf, log l = 0 there).
 def _lse_in(m, log_l):
-    """Whole-row stats ``[b, h, q_len]`` as the kernels' ``[b, h, q_len, 2]`` (a row that sees nothing:
-    0 and 0, as the forward writes it; its probabilities are masked to 0 anyway)."""
+    """Whole-row stats ``[b, h, q_len]`` (a :class:`~tpuattn.softmax.Partial`'s ``m``, ``log_l``) as
+    the kernels' ``[b, h, q_len, 2]`` (a row that sees nothing: 0 and 0, as the forward writes it;
+    its probabilities are masked to 0 anyway)."""
     seen = m != -jnp.inf
     return jnp.stack([jnp.where(seen, m, 0.0), jnp.where(seen, log_l, 0.0)], axis=-1)
 
 
+def _partial_out(out, lanes) -> softmax.Partial:
+    """The forward's float32 output and ``[b, h, q_len, 3]`` lanes ``(m, log l, seen)`` as a Partial."""
+    seen = lanes[..., 2] > 0
+    return softmax.Partial(out, jnp.where(seen, lanes[..., 0], -jnp.inf), jnp.where(seen, lanes[..., 1], 0.0))
+
+
 def partial_forward(q, k, v, segment_ids, spec, **options):
+    """This block's :class:`tpuattn.softmax.Partial`: the kernel accumulates in float32 and writes
+    its output in float32, not rounded to the input dtype before the merge."""
     q, k, v, segment_ids, _, blocks, interpret = _block_call(q, k, v, segment_ids, spec, options)
-    out, lse = forward(q, k, v, segment_ids, spec, blocks.forward, interpret, seen=True)
-    seen = lse[..., 2] > 0
-    return out.astype(jnp.float32), jnp.where(seen, lse[..., 0], -jnp.inf), jnp.where(seen, lse[..., 1], 0.0)
+    out, lanes = forward(q, k, v, segment_ids, spec, blocks.forward, interpret, seen=True,
+                         out_dtype=jnp.float32)
+    return _partial_out(out, lanes)
 
 
 def partial_row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options):

@@ -13,8 +13,8 @@
   (:func:`to_zigzag`, applied once at data loading), which balances causal work over the devices;
   the result comes back in the same order. ``"natural"`` takes and returns natural order.
 * ``impl``: the local kernel, any implementation with :class:`~tpuattn.registry.PartialOps`
-  (``blockwise``, ``pallas``, ``reference``); ``"auto"`` is ``pallas`` on a TPU, else
-  ``blockwise``.
+  (:func:`local_implementations`); ``"auto"`` is :func:`tpuattn.api.choose` among those, ranked by
+  their ``partial_rank`` (the Pallas kernel on a TPU, the blockwise XLA loop elsewhere).
 
 Results equal the single-device call on the global arrays up to float error, forward and
 gradients, under ``jax.jit``.
@@ -27,23 +27,22 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tpuattn import api, chips
-from tpuattn.errors import UnsupportedInput
 from tpuattn.parallel.layout import from_zigzag, to_zigzag, zigzag_order
 from tpuattn.parallel.plan import LAYOUTS, RingPlan, allgather_plan, chunks_per_device, ring_plan
-from tpuattn.parallel.ring import allgather_local, empty_state, merge, ring_local, work_per_step
+from tpuattn.parallel.ring import allgather_local, ring_local, work_per_step
 from tpuattn.spec import block_spec, make_spec
 
 STRATEGIES = ("ring", "allgather")
 
 __all__ = [
-    "LAYOUTS", "STRATEGIES", "RingPlan", "allgather_plan", "attention", "empty_state", "from_zigzag",
-    "local_implementations", "merge", "ring_plan", "to_zigzag", "work_per_step", "zigzag_order",
+    "LAYOUTS", "STRATEGIES", "RingPlan", "allgather_plan", "attention", "from_zigzag",
+    "local_implementations", "ring_plan", "to_zigzag", "work_per_step", "zigzag_order",
 ]
 
 
 def local_implementations() -> list[str]:
     """Implementations that can serve as the local kernel (they offer partial results)."""
-    return [name for name in api.implementations() if api.get_implementation(name).partial is not None]
+    return list(api.implementations(api.RETURNS_PARTIALS))
 
 
 def _axis(mesh: Mesh, name: str, value, used: list) -> int:
@@ -65,18 +64,8 @@ def _divides(name: str, what: str, size: int, parts: int, axis_name: str, extra:
 
 
 def _local_impl(impl: str, spec, backend: str):
-    if impl == "auto":
-        impl = "pallas" if backend == "tpu" else "blockwise"
-    record = api.get_implementation(impl)
-    if record.partial is None:
-        raise UnsupportedInput(f"impl: expected an implementation that returns partial results "
-                               f"(one of {local_implementations()} or 'auto'), got {impl!r}")
-    if not record.available():
-        raise UnsupportedInput(f"impl: {impl!r} is not available on this machine")
-    reason = record.supports(spec, backend)
-    if reason is not None:
-        raise UnsupportedInput(f"impl: {impl!r} cannot serve this problem on {backend}: {reason}")
-    return record
+    """The local kernel's record: by name, or ``"auto"`` by ``partial_rank`` (the contract's machinery)."""
+    return api.resolve(impl, spec, backend, subset=api.RETURNS_PARTIALS)
 
 
 def attention(q, k, v, *, mesh, seq_axis=None, head_axis=None, batch_axis=None, strategy="ring",

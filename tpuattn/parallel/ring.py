@@ -9,13 +9,13 @@ whole K and V over the sequence axis and attends its own query chunks to them. M
 the whole K/V; one collective, which autodiff turns into a reduce-scatter of dK/dV.
 
 **Ring** (Ring Attention, Liu et al. 2023): K/V (and their segment ids) travel around the ring with
-``lax.ppermute`` while each device attends its queries to the block it holds; partial results are
-merged by their logsumexp (:func:`merge`). The backward runs two rings: the first sums each row's
-``delta = rowsum(P * dP)`` over the blocks (as the single-chip kernels do, for accuracy on
-nearly one-hot rows), the second accumulates dQ at home while dK/dV travel with their K/V and
-arrive home after the last step. Memory per device: one block of K/V (two, with the one in
-flight) whatever the sequence length. Each step's permute is issued before its compute, so the
-compiler may overlap the transfer with the work.
+``lax.ppermute`` while each device attends its queries to the block it holds; the partial results
+(:class:`tpuattn.softmax.Partial`) are merged by their logsumexp (:func:`tpuattn.softmax.merge`).
+The backward runs two rings: the first sums each row's ``delta = rowsum(P * dP)`` over the blocks
+(as the single-chip kernels do, for accuracy on nearly one-hot rows), the second accumulates dQ at
+home while dK/dV travel with their K/V and arrive home after the last step. Memory per device: one
+block of K/V (two, with the one in flight) whatever the sequence length. Each step's permute is
+issued before its compute, so the compiler may overlap the transfer with the work.
 
 Blocks a mask hides entirely are skipped (a ``lax.switch`` branch that returns the empty state);
 with disjoint segment ids the skip is decided at run time; steps that no device needs are not
@@ -32,43 +32,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tpuattn.impl.common import mark_varying, varying_axes
+from tpuattn import softmax
 from tpuattn.parallel.layout import from_zigzag
 from tpuattn.parallel.plan import RingPlan, allgather_plan, ring_plan
 from tpuattn.registry import PartialOps
+from tpuattn.sharding import mark_varying, varying_axes
 from tpuattn.spec import AttentionSpec
 
 
-# --------------------------------------------------------------------------- merging partial results
-def merge(a, b):
-    """Merge two partial results ``(out, m, log_l)`` over disjoint key sets into one.
-
-    ``out`` ``[b, T, H, D]`` float32 is each part's softmax-weighted mean of its values; ``m`` and
-    ``log_l`` ``[b, H, T]`` its row max and the log of its row sum of ``exp(s - m)`` (``m = -inf``:
-    the part saw no key). The merged row is weighted by each part's ``exp(m + log_l)`` relative to
-    the larger max, so nothing overflows and a part that saw nothing weighs 0.
-    """
-    out_a, m_a, log_a = a
-    out_b, m_b, log_b = b
-    m = jnp.maximum(m_a, m_b)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    w_a = jnp.where(m_a == -jnp.inf, 0.0, jnp.exp(m_a - m_safe + log_a))
-    w_b = jnp.where(m_b == -jnp.inf, 0.0, jnp.exp(m_b - m_safe + log_b))
-    total = w_a + w_b
-    seen = total > 0
-    denom = jnp.where(seen, total, 1.0)
-    to_out = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # [b, H, T] -> [b, T, H, 1]
-    out = (to_out(w_a) * out_a + to_out(w_b) * out_b) / to_out(denom)
-    return out, jnp.where(seen, m, -jnp.inf), jnp.where(seen, jnp.log(denom), 0.0)
-
-
-def empty_state(q):
-    """The partial result of attending to no key: zeros, ``m = -inf``, ``log_l = 0``."""
-    b, t, h, _ = q.shape
+# --------------------------------------------------------------------------- the running state
+def _empty_like(q):
+    """The partial result of ``q`` attending to no key, typed varying like ``q`` inside the shard_map
+    (a loop's carry must keep one type across its iterations)."""
+    b, t, h, d = q.shape
     axes = varying_axes(q)
-    return (mark_varying(jnp.zeros(q.shape, jnp.float32), axes),
-            mark_varying(jnp.full((b, h, t), -jnp.inf, jnp.float32), axes),
-            mark_varying(jnp.zeros((b, h, t), jnp.float32), axes))
+    return softmax.Partial(*(mark_varying(x, axes) for x in softmax.empty(b, t, h, d)))
 
 
 # --------------------------------------------------------------------------- the static configuration
@@ -148,13 +126,14 @@ def _ring_forward(cfg: _Ring, q, k, v, q_seg, kv_seg):
     plan, ops, c = cfg.plan, cfg.ops, cfg.plan.chunks
     table = jnp.asarray(plan.branch)[lax.axis_index(cfg.axis)]  # [n, c, c] for this device
     qs, q_segs = _split(q, c, 1), (_split(q_seg, c, 1) if cfg.has_segments else [None] * c)
-    states = [empty_state(x) for x in qs]
+    states = [_empty_like(x) for x in qs]
 
     # Each branch merges its block into the running state itself: a conditional's result is the new
     # state, so the old one dies there (merged outside, XLA may fuse the merges of all unrolled
     # steps into one and keep every step's partial result alive at once).
     def compute(spec):
-        return lambda state, q, k, v, segs: merge(state, ops.forward(q, k, v, segs, spec, **cfg.kwargs))
+        return lambda state, q, k, v, segs: softmax.merge(state, ops.forward(q, k, v, segs, spec,
+                                                                             **cfg.kwargs))
 
     branches = [compute(spec) for spec in plan.specs] + [lambda state, q, k, v, segs: state]
     def step(s, states, held):
@@ -169,10 +148,8 @@ def _ring_forward(cfg: _Ring, q, k, v, q_seg, kv_seg):
         return states
 
     states = _ring_loop(cfg, step, states, (k, v, kv_seg))
-    out = _join([st[0] for st in states], 1)
-    m = _join([st[1] for st in states], 2)
-    log_l = _join([st[2] for st in states], 2)
-    return out, m, log_l
+    return softmax.Partial(_join([st.out for st in states], 1), _join([st.m for st in states], 2),
+                           _join([st.log_l for st in states], 2))
 
 
 # --------------------------------------------------------------------------- ring: backward

@@ -1,0 +1,60 @@
+"""The arithmetic every implementation shares: the one matmul and its precision, the logit soft-cap,
+padding to a tile multiple, and the guard for kernels that differentiate only once."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tpuattn import chips
+
+
+def matmul_precision(dtype):
+    """Full float32 matmuls for float32 inputs (TPUs default to bf16 passes); native otherwise."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def matmul(subscripts: str, a, b):
+    """``einsum(subscripts, a, b)`` accumulated in float32: the one matmul the implementations use.
+
+    float32 operands run at full precision (TPUs default to bf16 passes). bf16/f16 operands are
+    multiplied as they are on a TPU's MXU (exact products, float32 sums); on a CPU they are
+    widened to float32 first, which computes the same thing, because XLA:CPU in JAX 0.7.2 has no
+    kernel for some batched bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk").
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if chips.target_backend() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(subscripts, a, b, precision=matmul_precision(jnp.promote_types(a.dtype, b.dtype)),
+                      preferred_element_type=jnp.float32)
+
+
+def apply_softcap(s, softcap):
+    """``softcap * tanh(s / softcap)``, or ``s`` unchanged when softcap is None."""
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
+def pad_to_multiple(x, axis: int, multiple: int, value=0):
+    """Pad ``x`` along ``axis`` at the end, with ``value``, to a multiple of ``multiple``."""
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def first_order_only(fn, message: str):
+    """``fn`` unchanged, except that differentiating it raises ``NotImplementedError(message)``.
+
+    For the forward and backward of a kernel that defines only a first-order VJP: a second
+    derivative differentiates both (the forward that saved the residuals and the backward), and
+    without this JAX raises a bare ``NotImplementedError`` from deep inside ``pallas_call``.
+    """
+    guarded = jax.custom_jvp(fn)
+
+    def refuse(primals, tangents):
+        raise NotImplementedError(message)
+
+    guarded.defjvp(refuse)
+    return guarded
