@@ -436,13 +436,15 @@ print(f"modelled crossover on {MODEL_CHIP}: splash below xla from T = {model_cro
 # (forward + backward) on one device of each chip. `out_of_memory` is the compiler's own refusal.
 
 # %%
+import shlex
+
 from tpuattn import chips
 from tpuattn.measure import aot
 
 report = aot.committed_report()
 print(f"{aot.LABEL}: {report['problem']}, forward + backward; JAX {report['jax_version']}, "
       f"libtpu {report['libtpu_version']}")
-print(f"  made by: {report['command']}")
+print(f"  made by: {shlex.join(report['command'])}")
 compiled_rows = {(r["chip"], r["impl"], r["seq_len"]): r for r in report["rows"]
                  if r["mode"] == "fwd+bwd"}
 lengths = sorted({r["seq_len"] for r in report["rows"]})

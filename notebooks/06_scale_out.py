@@ -272,8 +272,11 @@ print(f"causal window of {SEQ_LEN // N_DEVICES} tokens: the ring runs {windowed.
 # report, made by the command it records.
 
 # %%
+import shlex
+
 report = slices.committed()
-print("made by:", report["command"], f"({report['versions']})")
+print("made by:", shlex.join(report["command"]))
+print("with:", ", ".join(f"{name} {version}" for name, version in report["versions"].items()))
 rows = report["rows"]
 print(slices.table(rows))
 
