@@ -14,6 +14,7 @@ import pytest
 from decode_oracle import oracle_decode
 
 from tpuattn import decode
+from tpuattn.numerics import x64
 
 B, H, HK, D, PAGES, PAGE = 2, 4, 2, 128, 8, 16
 TABLE = np.array([[5, 1, -1, -1], [2, 3, 0, -1]], np.int32)  # -1: unused
@@ -33,14 +34,6 @@ def _want(q, k, v):
                          np.array(LENGTHS), page_table=TABLE)
 
 
-def _x64(on: bool):
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(on)
-    from jax.experimental import enable_x64
-
-    return enable_x64(on)
-
-
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
 def test_minus_one_in_unused_entries_with_lengths_traced_under_jit(impl):
     q, k, v = _inputs()
@@ -55,7 +48,7 @@ def test_minus_one_in_unused_entries_with_lengths_traced_under_jit(impl):
                                              ("reference", "int64"), ("pallas", "uint32")])
 def test_minus_one_in_unused_entries_with_lengths_of_any_integer_dtype(impl, dtype):
     q, k, v = _inputs(1)
-    with _x64(np.dtype(dtype).itemsize > 4):
+    with x64(np.dtype(dtype).itemsize > 4):
         got = decode.attention(q, k, v, np.array(LENGTHS, dtype), page_table=TABLE, impl=impl)
     np.testing.assert_allclose(np.asarray(got, np.float64), _want(q, k, v), atol=2e-5, rtol=2e-5)
 
@@ -87,7 +80,7 @@ def test_jax_paged_under_x64():
     if "jax_paged" not in decode.implementations():
         pytest.skip("JAX's paged_attention is not available on this JAX")
     q, k, v = _inputs(3)
-    with _x64(True):
+    with x64(True):
         got = decode.attention(q, k, v, np.array(LENGTHS, np.int32), page_table=TABLE, impl="jax_paged")
     # JAX's kernel rounds K and V to bfloat16 (see tpuattn.decode.native): bfloat16 accuracy.
     np.testing.assert_allclose(np.asarray(got, np.float64), _want(q, k, v), atol=3e-2, rtol=3e-2)

@@ -10,6 +10,7 @@ import pytest
 from oracle import oracle_attention
 
 import tpuattn
+from tpuattn.numerics import x64
 
 # (q ids, kv ids): each pair holds values that a cast to one narrow dtype would make equal.
 PAIRS = {
@@ -25,15 +26,6 @@ PAIRS = {
 }
 
 
-def _x64(on: bool):
-    """``jax.enable_x64`` (JAX 0.8+) or ``jax.experimental.enable_x64`` (0.7)."""
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(on)
-    from jax.experimental import enable_x64
-
-    return enable_x64(on)
-
-
 def _as_python_ints(ids):
     return np.array([[int(x) for x in row] for row in ids], dtype=object)
 
@@ -46,7 +38,7 @@ def test_ids_of_different_widths_compare_by_value(name, impl):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 4, 2, 8)).astype(np.float32) for _ in range(3))
     want = oracle_attention(q, k, v, segment_ids=(_as_python_ints(q_ids), _as_python_ints(kv_ids)))
-    with _x64(needs_x64):
+    with x64(needs_x64):
         got = tpuattn.attention(q, k, v, segment_ids=(q_ids, kv_ids), impl=impl)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=2e-5)
 

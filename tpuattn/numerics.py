@@ -58,3 +58,15 @@ def first_order_only(fn, message: str):
 
     guarded.defjvp(refuse)
     return guarded
+
+
+def x64(enabled: bool):
+    """A context with 64-bit mode on or off: ``jax.enable_x64`` (JAX 0.8+) or 0.7's
+    ``jax.experimental.enable_x64`` / ``disable_x64``. JAX's own kernels that fail to trace under
+    x64 (splash; ``paged_attention``, which divides an int32 length by an int64) run with it off:
+    the adapters hand them int32 ids and float arrays, which 64-bit mode does not change."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(enabled)
+    from jax.experimental import disable_x64, enable_x64
+
+    return enable_x64() if enabled else disable_x64()

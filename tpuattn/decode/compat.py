@@ -33,20 +33,3 @@ def force_tpu_interpret_mode() -> contextlib.AbstractContextManager:
     """``pltpu.force_tpu_interpret_mode()``: JAX's TPU kernels (with their own DMAs) interpreted on CPU."""
     return pltpu.force_tpu_interpret_mode()
 
-
-def without_x64() -> contextlib.AbstractContextManager:
-    """64-bit mode off for the span of a call into one of JAX's kernels.
-
-    JAX's ``paged_attention`` kernel (0.7.2 to 0.10.2) fails to trace under ``jax_enable_x64``: it
-    divides the int32 length it reads from SMEM by a Python int that x64 makes int64 (``lax.div
-    requires arguments to have the same dtypes``). The adapter hands it int32 ids and float caches,
-    which 64-bit mode does not change, so the kernel is traced with it off. ``jax.enable_x64`` from
-    0.8; ``jax.experimental.disable_x64`` before.
-    """
-    import jax
-
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(False)
-    from jax.experimental import disable_x64
-
-    return disable_x64()

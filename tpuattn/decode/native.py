@@ -40,6 +40,7 @@ from tpuattn._checks import known_options
 from tpuattn.decode import compat
 from tpuattn.decode.registry import register
 from tpuattn.decode.spec import DecodeSpec
+from tpuattn.numerics import x64
 from tpuattn.supports import low_precision_matmul_refused
 
 OPTIONS = ("interpret",)
@@ -99,7 +100,7 @@ def jax_paged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec,
     k_pages, v_pages = (x.transpose(2, 0, 1, 3) for x in (k_pages, v_pages))  # [hk, pages, size, d]
     q1 = (q[:, 0].astype(jnp.float32) * spec.scale).astype(q.dtype)
     block = _compute_block(table.shape[1], k_pages.shape[2])
-    with _interpreting(options.get("interpret")), compat.without_x64():
+    with _interpreting(options.get("interpret")), x64(False):
         out = paged_attention(q1, k_pages, v_pages, lengths, table, attn_logits_soft_cap=spec.softcap,
                               pages_per_compute_block=block)
     out = jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from tpuattn import chips
 from tpuattn._checks import known_options, positive_int, round_up
-from tpuattn.numerics import first_order_only
+from tpuattn.numerics import first_order_only, x64
 from tpuattn.registry import ScheduleModel, register
 from tpuattn.sharding import mark_varying, varying_axes, vma_checks_off
 from tpuattn.supports import long_enough_for_flash, low_precision_matmul_refused
@@ -93,15 +93,6 @@ def _padding_segment(q_seg):
     lo = jnp.min(q_seg, axis=1, keepdims=True)
     hi = jnp.max(q_seg, axis=1, keepdims=True)
     return jnp.where(lo > jnp.iinfo(jnp.int32).min, lo - 1, hi + 1)
-
-
-def _x64_disabled():
-    """``jax.enable_x64(False)`` (JAX >= 0.8) or ``jax.experimental.disable_x64()`` (0.7)."""
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(False)
-    from jax.experimental import disable_x64
-
-    return disable_x64()
 
 
 def splash_attention(q, k, v, segment_ids, spec, **options):
@@ -179,7 +170,7 @@ def _guarded(fn):
 
     def run(q, k, v, segments):
         axes = varying_axes(q, k, v)
-        with _x64_disabled(), vma_checks_off():
+        with x64(False), vma_checks_off():
             out = fn(*_invariant(axes, q, k, v), segments)
         return mark_varying(out, axes)
 
@@ -189,13 +180,13 @@ def _guarded(fn):
 
     def call_fwd(q, k, v, segments):
         axes = varying_axes(q, k, v)
-        with _x64_disabled(), vma_checks_off():
+        with x64(False), vma_checks_off():
             out, vjp = _first_order_vjp(fn, *_invariant(axes, q, k, v), segments)
         return mark_varying(out, axes), vjp
 
     def call_bwd(vjp, d_out):
         axes = varying_axes(d_out)
-        with _x64_disabled(), vma_checks_off():
+        with x64(False), vma_checks_off():
             grads = _first_order(vjp, *_invariant(axes, d_out))
         return (*(mark_varying(g, axes) for g in grads), None)
 
