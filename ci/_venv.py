@@ -1,12 +1,15 @@
 """Create and reuse the CI virtual environments (standard library only).
 
-Two environments live at the repository root, each built from an exact pin file:
+Four environments live at the repository root, each built from an exact pin file:
 
 * ``.venv``            JAX 0.10.2 with libtpu (the TPU compiler, compile-only here) plus the notebook and
                        dev tools (``requirements/ci-jax0.10.2.txt``); used with ``JAX_PLATFORMS=cpu``
                        (:data:`CPU_WITH_TPU_COMPILER`) so JAX does not look for a TPU at start
 * ``.venv-jax0.7.2``   JAX 0.7.2, Colab's TPU runtime, with its libtpu, for the unit and compile tests
                        (``requirements/ci-jax0.7.2.txt``)
+* ``.venv-jax0.8.3``, ``.venv-jax0.9.2``  the middle releases with their libtpu, for the release matrix's
+                       smoke subset (``requirements/ci-jax0.8.3.txt``, ``ci-jax0.9.2.txt``): the quick
+                       tier's tests and notebooks 01-03, through kernels ``tpuattn-jax0.8.3`` and ``-0.9.2``
 
 The package is installed editable with ``--no-deps`` so an environment holds exactly its pin file.
 A stamp file records a hash of the pin file, the dependencies declared in ``pyproject.toml`` and the
@@ -106,7 +109,12 @@ class Env:
 
 MAIN = Env(".venv", "ci-jax0.10.2.txt", kernel=KERNEL_NAME)
 JAX_0_7 = Env(".venv-jax0.7.2", "ci-jax0.7.2.txt", kernel="tpuattn-jax0.7.2")
-ENVS = {"0.10.2": MAIN, "0.7.2": JAX_0_7}
+# The release matrix's middle releases: the smoke subset only (ci/test.py's ``releases`` stage).
+JAX_0_8 = Env(".venv-jax0.8.3", "ci-jax0.8.3.txt", kernel="tpuattn-jax0.8.3")
+JAX_0_9 = Env(".venv-jax0.9.2", "ci-jax0.9.2.txt", kernel="tpuattn-jax0.9.2")
+ENVS = {"0.10.2": MAIN, "0.7.2": JAX_0_7, "0.8.3": JAX_0_8, "0.9.2": JAX_0_9}
+# Every JAX minor release the package supports, oldest first: Colab's TPU runtime's to the newest.
+RELEASES = ("0.7.2", "0.8.3", "0.9.2", "0.10.2")
 
 # The environment variables every command in ``.venv`` runs with: the CPU backend, the TPU compiler
 # available (libtpu guards itself with a lockfile against two processes; compile-only use is safe

@@ -1,11 +1,12 @@
-"""The test command: lint, notebook pairs, unit tests on JAX 0.10.2 and 0.7.2, nbval.
+"""The test command: lint, pairs, unit, compile, notebooks on JAX 0.10.2 and 0.7.2, the release matrix.
 
     python3 ci/test.py                       # everything (what .ci/run calls)
     python3 ci/test.py --quick               # the edit loop: ruff, pairs, quick (a few minutes)
     python3 ci/test.py --only unit-jax0.10.2 # one stage (repeatable); --skip works the same way
 
-On first use it builds ``.venv`` (JAX 0.10.2 + tools) and ``.venv-jax0.7.2`` from the pin files in
-``requirements/`` (see ci/_venv.py), the two side by side. ``--quick`` runs ``ruff``, ``pairs`` and:
+On first use it builds ``.venv`` (JAX 0.10.2 + tools), ``.venv-jax0.7.2`` and (for ``releases``)
+``.venv-jax0.8.3`` and ``.venv-jax0.9.2`` from the pin files in ``requirements/`` (see ci/_venv.py), all
+at once. ``--quick`` runs ``ruff``, ``pairs`` and:
 
 * ``quick``           ``pytest -m quick`` in ``.venv`` (tests/conftest.py selects the tests): each registered
                       implementation once against the float64 oracle (forward and gradients, small
@@ -34,6 +35,13 @@ The full run's stages, cheapest first:
                       runtime, with its ipywidgets 7.7.1) through ``ci/notebooks.py --jax 0.7.2``, two
                       notebooks at a time (one kernel each, as nbval does); outputs and figures to a
                       temporary folder
+* ``releases``        the release matrix: on each JAX minor release between those two (0.8.3, 0.9.2; each in
+                      its own ``.venv-jaxV`` with that release's libtpu), the smoke subset: the quick
+                      tier's oracle checks (each implementation once, forward and gradients; decode's),
+                      its compiles (the Pallas kernel for every chip) and notebooks 01-03 under
+                      papermill (``RUN_MEMORY = False``). The command ends with the matrix as a Markdown
+                      table (release, libtpu, what passed; 0.7.2 and 0.10.2 from their full stages):
+                      the README shows it.
 * ``book``            ``ci/book.py`` builds the site in ``out/book/`` from the committed outputs;
                       ``ci/browser_check.py`` opens every page in headless chromium (console errors,
                       failed or external loads, broken links and anchors, alt text) and takes
@@ -41,19 +49,21 @@ The full run's stages, cheapest first:
 * ``lab``             ``ci/lab_check.py``: notebook 03 run in JupyterLab in chromium, a slider of its grid
                       widget moved and the figure seen to change (screenshots before and after)
 
-When the full command runs, ``book`` runs beside ``papermill-jax0.7.2`` as one more job of its two
-(each of those jobs computes on about one core); its table row says so. ``lab`` runs after them.
+When the full command runs, ``papermill-jax0.7.2``, ``releases`` and ``book`` are one pool of jobs run
+two at a time, longest first (each notebook's kernel, each pytest, the book's build and browser check
+compute on about one core); their table rows say so. ``lab`` runs after them, alone.
 The pytest stages run two workers (``-n 2 --dist worksteal``).
 
 The book and lab stages need Debian's chromium (``/usr/bin/chromium``): as root the command installs
 it (``apt-get install -y chromium chromium-driver``, in CI or not); as another user those two stages
 fail saying what to install. Every stage runs; the command prints a table of stage, seconds, result
-(the set-up of the two environments included, and which ran side by side) and exits 1 if any failed.
+(the set-up of the environments included, and which ran side by side) and exits 1 if any failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -70,7 +80,14 @@ import _venv  # noqa: E402
 ROOT = _venv.ROOT
 NOTEBOOKS = ROOT / "notebooks"
 STAGES = ("ruff", "pairs", "unit-jax0.10.2", "unit-jax0.7.2", "compile", "compile-jax0.7.2", "nbval",
-          "papermill-jax0.7.2", "book", "lab")
+          "papermill-jax0.7.2", "releases", "book", "lab")
+# The release matrix: the releases between the two the full stages test get the smoke subset only.
+MIDDLE_RELEASES = tuple(v for v in _venv.RELEASES if _venv.ENVS[v] not in (_venv.MAIN, _venv.JAX_0_7))
+RELEASE_NOTEBOOKS = ("01", "02", "03")
+# The smoke subset's tests: the quick tier's oracle checks (each implementation once, forward and
+# gradients; decode's against its oracle) and its compiles (the Pallas kernel for every chip).
+RELEASE_ORACLE_FILES = ("tests/test_oracle_suite.py", "tests/test_decode.py")
+RELEASE_COMPILE_FILES = ("tests/test_aot.py",)
 QUICK_STAGES = ("ruff", "pairs", "quick")
 # The files that hold the quick tier's tests (tests/conftest.py marks them): collecting only these
 # keeps the quick stage's start short.
@@ -207,66 +224,181 @@ def stage_nbval() -> str:
     return pytest_result(code)
 
 
-def stage_papermill_jax07(beside=None) -> str:
-    """Every notebook top to bottom on Colab's JAX (0.7.2, ipywidgets 7.7.1) with papermill; the
-    executed copies and figures go to a temporary folder, the working tree is not written.
+@dataclasses.dataclass
+class Job:
+    """One piece of a pooled stage: ``run()`` returns (ok, log); the pool times it."""
 
-    A notebook's kernel computes on about one core (mostly compiling, one thread), so two jobs run at
-    a time, each notebook in its own ``ci/notebooks.py`` (as nbval runs two): ``beside`` (a function:
-    the book and lab stages, when the full command runs) first, then the biggest committed notebooks
-    first, so that a long one does not start last. Each job's log is printed whole when it ends."""
-    stems = [p.stem for p in sorted(notebook_files(".ipynb"), key=lambda p: -p.stat().st_size)]
-    if not stems:
-        return "FAILED (no notebooks/NN_*.ipynb to run)"
-    with tempfile.TemporaryDirectory(prefix="tpuattn-papermill-") as tmp:
-        env = {**os.environ, "TPUATTN_FIGURES_DIR": str(Path(tmp) / "figures"), **_venv.CPU_WITH_TPU_COMPILER}
-
-        def one(stem: str) -> tuple[str, int]:
-            cmd = [str(_venv.MAIN.python), str(ROOT / "ci" / "notebooks.py"), "--jax", "0.7.2",
-                   "--out", str(Path(tmp) / "notebooks"), stem]
-            start = time.perf_counter()
-            result = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True)
-            with _PRINT:
-                print(f"$ python ci/notebooks.py --jax 0.7.2 --out ... {stem}\n{result.stdout}"
-                      f"[papermill] {stem}: exit {result.returncode} ({time.perf_counter() - start:.1f} s)",
-                      flush=True)
-            return stem, result.returncode
-
-        jobs = ([beside] if beside else []) + [lambda stem=stem: one(stem) for stem in stems]
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            codes = dict(code for code in pool.map(lambda job: job(), jobs) if code is not None)
-    failed = [stem for stem, code in codes.items() if code != 0]
-    return "ok" if not failed else f"FAILED (ci/notebooks.py failed for {', '.join(failed)})"
+    stage: str
+    label: str
+    run: object
+    weight: float  # a guess at its length, to start the longest first
+    ok: bool = False
+    start: float = 0.0
+    end: float = 0.0
 
 
-def side_by_side(stages: list[str], actions: dict) -> list[tuple[str, float, str, str]]:
-    """``papermill-jax0.7.2`` with ``book`` beside it, two jobs at a time: the book's Sphinx build and
-    its browser check use about one core, as one notebook's kernel does. Each stage's own seconds are
-    in the table, marked as run side by side; the total is the wall clock.
+def notebook_job(stage: str, release: str, stem: str, tmp: Path, parameters: dict) -> Job:
+    """One notebook executed top to bottom with papermill on ``release``'s kernel (``ci/notebooks.py
+    --jax``); the executed copy and figures go to ``tmp``."""
+    env = {**os.environ, "TPUATTN_FIGURES_DIR": str(tmp / "figures"), **_venv.CPU_WITH_TPU_COMPILER}
+    cmd = [str(_venv.MAIN.python), str(ROOT / "ci" / "notebooks.py"), "--jax", release,
+           "--out", str(tmp / f"notebooks-{release}"), stem]
+    for name, value in parameters.items():
+        cmd += ["-p", name, repr(value)]
 
-    ``lab`` is not run beside the notebooks: with the lab's JupyterLab kernel running, papermill's
-    kernel waited the whole 300 s cell timeout on notebook 03's grid widget (measured in a clean
-    clone), so the lab runs after them, alone."""
-    rows = []
+    def run() -> tuple[bool, str]:
+        result = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        return result.returncode == 0, f"$ {' '.join(cmd[1:])}\n{result.stdout}"
 
-    def book_beside():
+    size = (NOTEBOOKS / f"{stem}.ipynb").stat().st_size
+    return Job(stage, f"{release} {stem}", run, weight=size)
+
+
+def pytest_job(stage: str, label: str, env: _venv.Env, args: list[str], variables: dict) -> Job:
+    cmd = [str(env.python), "-m", "pytest", "-p", "no:cacheprovider", "-q", "--durations=5", *args]
+
+    def run() -> tuple[bool, str]:
+        result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **variables}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        return result.returncode == 0, f"$ {' '.join(cmd[1:])}\n{result.stdout}"
+
+    return Job(stage, label, run, weight=0)
+
+
+def notebook_parameters(stem: str) -> set[str]:
+    """The names a notebook's parameters cell assigns (papermill warns about any other)."""
+    source = (NOTEBOOKS / f"{stem}.py").read_text()
+    cell = source.split('# %% tags=["parameters"]', 1)[-1].split("# %%", 1)[0]
+    return {line.split("=")[0].strip() for line in cell.splitlines()
+            if "=" in line and not line.startswith(("#", " "))}
+
+
+def papermill_jobs(tmp: Path) -> list[Job]:
+    """``papermill-jax0.7.2``: every notebook on Colab's JAX (0.7.2, ipywidgets 7.7.1), whole."""
+    return [notebook_job("papermill-jax0.7.2", "0.7.2", p.stem, tmp, {}) for p in notebook_files(".ipynb")]
+
+
+def release_jobs(tmp: Path) -> list[Job]:
+    """``releases``: the smoke subset on each middle release (``MIDDLE_RELEASES``), in its own venv with
+    its own libtpu: the quick tier's oracle checks (every implementation once, forward and gradients,
+    and decode's), its compiles (the Pallas kernel for every chip the release's compiler knows) and
+    notebooks 01-03 under papermill with ``RUN_MEMORY = False`` (their child-process memory
+    measurements are the same package code on every release, and the full runs on 0.7.2 and 0.10.2
+    make them)."""
+    jobs = []
+    compiler = {**_venv.CPU_WITH_TPU_COMPILER, "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
+    for release in MIDDLE_RELEASES:
+        env = _venv.ENVS[release]
+        jobs.append(pytest_job("releases", f"{release} oracle", env,
+                               ["-m", "quick", *RELEASE_ORACLE_FILES], compiler))
+        jobs.append(pytest_job("releases", f"{release} compile", env,
+                               ["-m", "quick", *RELEASE_COMPILE_FILES], compiler))
+        for p in notebook_files(".ipynb"):
+            if p.stem[:2] in RELEASE_NOTEBOOKS:
+                parameters = {"RUN_MEMORY": False} if "RUN_MEMORY" in notebook_parameters(p.stem) else {}
+                jobs.append(notebook_job("releases", release, p.stem, tmp, parameters))
+    return jobs
+
+
+def book_job(actions: dict) -> Job:
+    def run() -> tuple[bool, str]:
         _CAPTURE.lines = []
-        for stage in ("book",):
-            if stage in stages:
-                start = time.perf_counter()
-                result = actions[stage]()
-                rows.append((stage, time.perf_counter() - start, result, "beside papermill-jax0.7.2"))
-                _CAPTURE.lines.append(f"===== {stage}: {result} ({rows[-1][1]:.1f} s)\n")
-        with _PRINT:
-            print("===== book (beside papermill-jax0.7.2) =====\n" + "".join(_CAPTURE.lines), flush=True)
-        _CAPTURE.lines = None
-        return None
+        try:
+            result = actions["book"]()
+            return result == "ok", "".join(_CAPTURE.lines) + f"book: {result}"
+        finally:
+            _CAPTURE.lines = None
 
-    start = time.perf_counter()
-    result = stage_papermill_jax07(beside=book_beside)
-    beside = ", ".join(stage for stage, *_ in rows)
-    return [("papermill-jax0.7.2", time.perf_counter() - start, result, f"beside {beside}"), *rows]
+    return Job("book", "book", run, weight=float("inf"))  # first: its browser check is long
+
+
+POOLED = ("papermill-jax0.7.2", "releases", "book")
+
+
+def pooled(stages: list[str], actions: dict) -> tuple[list[tuple[str, float, str, str]], list[Job]]:
+    """The pooled stages that were asked for, as one queue of jobs run two at a time, longest first:
+    each notebook's kernel, each pytest and the book's Sphinx build with its browser check compute on
+    about one core. Each job's log is printed whole when it ends. A stage's seconds run from its first
+    job's start to its last job's end (marked as run beside the others); the total is the wall clock.
+
+    ``lab`` is not pooled: with the lab's JupyterLab kernel running, papermill's kernel waited the
+    whole 300 s cell timeout on notebook 03's grid widget (measured in a clean clone), so the lab runs
+    after them, alone."""
+    wanted = [stage for stage in POOLED if stage in stages]
+    with tempfile.TemporaryDirectory(prefix="tpuattn-papermill-") as tmp:
+        jobs = []
+        if "book" in wanted:
+            jobs.append(book_job(actions))
+        if "papermill-jax0.7.2" in wanted:
+            jobs += papermill_jobs(Path(tmp))
+        if "releases" in wanted:
+            jobs += release_jobs(Path(tmp))
+        jobs.sort(key=lambda job: -job.weight)
+
+        def go(job: Job) -> None:
+            job.start = time.perf_counter()
+            try:
+                job.ok, log = job.run()
+            except Exception as error:  # a job that cannot start fails, the others go on
+                job.ok, log = False, f"{type(error).__name__}: {error}"
+            job.end = time.perf_counter()
+            with _PRINT:
+                status = "ok" if job.ok else "FAILED"
+                print(f"===== {job.label}: {status} ({job.end - job.start:.1f} s)\n{log}", flush=True)
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(go, jobs))
+    rows = []
+    for stage in wanted:
+        mine = [job for job in jobs if job.stage == stage]
+        failed = [job.label for job in mine if not job.ok]
+        result = "ok" if not failed else f"FAILED ({', '.join(failed)})"
+        others = [other for other in wanted if other != stage]
+        note = f"beside {', '.join(others)}" if others else ""
+        seconds = max(job.end for job in mine) - min(job.start for job in mine) if mine else 0.0
+        rows.append((stage, seconds, result if mine else "FAILED (nothing to run)", note))
+    return rows, jobs
+
+
+def release_matrix(rows: list[tuple[str, float, str, str]], jobs: list[Job]) -> str:
+    """The release matrix as a Markdown table (the README shows it): each supported JAX release, its
+    libtpu, and what passed on it in this run. 0.7.2 and 0.10.2 report their full stages; the middle
+    releases the smoke subset."""
+    results = {stage: result for stage, _, result, _ in rows}
+    by_label = {job.label: job for job in jobs}
+
+    def full(stage: str) -> str:
+        return "not run" if stage not in results else ("passed" if results[stage] == "ok" else "FAILED")
+
+    def smoke(labels: list[str]) -> str:
+        found = [by_label[label] for label in labels if label in by_label]
+        if not found:
+            return "not run"
+        return "passed" if all(job.ok for job in found) else "FAILED"
+
+    lines = ["| JAX | libtpu | against the oracle (forward, gradients) | compiled for every chip "
+             "| notebooks |",
+             "|---|---|---|---|---|"]
+    for release in _venv.RELEASES:
+        env = _venv.ENVS[release]
+        libtpu = next((line.split("==")[1] for line in env.pins.read_text().splitlines()
+                       if line.startswith("libtpu==")), "?")
+        if release == "0.10.2":
+            cells = (f"{full('unit-jax0.10.2')}: all unit tests", f"{full('compile')}: all compile tests",
+                     f"{full('nbval')}: 01-07, outputs compared (nbval)")
+        elif release == "0.7.2":
+            cells = (f"{full('unit-jax0.7.2')}: all unit tests",
+                     f"{full('compile-jax0.7.2')}: all compile tests",
+                     f"{full('papermill-jax0.7.2')}: 01-07 executed (papermill)")
+        else:
+            stems = [p.stem for p in notebook_files(".ipynb") if p.stem[:2] in RELEASE_NOTEBOOKS]
+            cells = (f"{smoke([f'{release} oracle'])}: the quick tier",
+                     f"{smoke([f'{release} compile'])}: the quick tier",
+                     f"{smoke([f'{release} {stem}' for stem in stems])}: "
+                     f"{RELEASE_NOTEBOOKS[0]}-{RELEASE_NOTEBOOKS[-1]} executed, RUN_MEMORY = False")
+        lines.append(f"| {release} | {libtpu} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def chromium_missing() -> str | None:
@@ -301,6 +433,7 @@ def setup(stages: list[str]) -> None:
     if os.environ.get("TPUATTN_CI_SETUP") is not None:
         return  # already done, before the re-exec
     envs = [_venv.MAIN] + ([_venv.JAX_0_7] if any("jax0.7.2" in stage for stage in stages) else [])
+    envs += [_venv.ENVS[release] for release in MIDDLE_RELEASES] if "releases" in stages else []
     todo = [env for env in envs if not env.is_current()]
 
     def build(env: _venv.Env) -> tuple[str, float, str]:
@@ -312,7 +445,8 @@ def setup(stages: list[str]) -> None:
             result = f"FAILED ({failure})"
         return env.name, time.perf_counter() - start, result
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    # Mostly downloading and unpacking wheels: all of them at once.
+    with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
         rows = list(pool.map(build, todo))
     os.environ["TPUATTN_CI_SETUP"] = ";".join(f"{name}={seconds:.3f}={result}"
                                               for name, seconds, result in rows)
@@ -348,18 +482,21 @@ def main() -> int:
                "unit-jax0.7.2": lambda: stage_unit(_venv.JAX_0_7),
                "compile": lambda: stage_compile(_venv.MAIN),
                "compile-jax0.7.2": lambda: stage_compile(_venv.JAX_0_7),
-               "nbval": stage_nbval, "papermill-jax0.7.2": stage_papermill_jax07, "book": stage_book,
+               "nbval": stage_nbval, "book": stage_book,
                "lab": stage_lab, "quick": stage_quick}
-    together = "papermill-jax0.7.2" in stages and "book" in stages
+    pool_stages = [stage for stage in POOLED if stage in stages]
+    jobs: list[Job] = []
     for stage in stages:
-        if together and stage == "book":
-            continue  # ran beside papermill-jax0.7.2
-        print(f"\n===== {stage} =====", flush=True)
-        if together and stage == "papermill-jax0.7.2":
-            together_rows = side_by_side(stages, actions)
-            rows += together_rows
-            print(f"===== {stage}: {together_rows[0][2]} ({together_rows[0][1]:.1f} s)", flush=True)
+        if stage in pool_stages[1:]:
+            continue  # ran in the pool with the first pooled stage
+        if stage in pool_stages:
+            print(f"\n===== {', '.join(pool_stages)} (pooled) =====", flush=True)
+            pool_rows, jobs = pooled(stages, actions)
+            rows += pool_rows
+            for name, seconds, result, _ in pool_rows:
+                print(f"===== {name}: {result} ({seconds:.1f} s)", flush=True)
             continue
+        print(f"\n===== {stage} =====", flush=True)
         start = time.perf_counter()
         result = actions[stage]()
         seconds = time.perf_counter() - start
@@ -371,6 +508,9 @@ def main() -> int:
     for stage, seconds, result, note in rows:
         print(f"{stage:<26}  {seconds:8.1f}  {result}" + (f" ({note})" if note else ""))
     failed = [stage for stage, _, result, _ in rows if result != "ok"]
+    if "releases" in stages:
+        print(f"\nrelease matrix (JAX_PLATFORMS=cpu; compiled, not run, for the TPU chips):\n"
+              f"{release_matrix(rows, jobs)}\n")
     print(f"{'total (wall clock)':<26}  {time.time() - begin:8.1f}  "
           + ("all passed" if not failed else f"FAILED: {', '.join(failed)}"))
     return 1 if failed else 0

@@ -2,7 +2,8 @@
 
 pyproject.toml holds the ranges users get; environment.yml adds only Python from conda-forge and
 installs the package through pip; requirements/ci-*.txt pin exact versions CI installs, which must
-fall inside those ranges (the newest JAX in one file, Colab's JAX 0.7.2 in the other).
+fall inside those ranges (the newest JAX in one file, Colab's JAX 0.7.2 in another, the releases
+between them in one file each).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 JAX_RANGE = SpecifierSet(">=0.7.2,<0.11")
-PIN_FILES = {"ci-jax0.10.2.txt": "0.10.2", "ci-jax0.7.2.txt": "0.7.2"}
+# Every supported JAX minor release has a pin file (ci/_venv.py RELEASES): the newest with everything,
+# Colab's 0.7.2 for the unit and compile tests, the middle ones for the release matrix's smoke subset.
+PIN_FILES = {"ci-jax0.10.2.txt": "0.10.2", "ci-jax0.7.2.txt": "0.7.2", "ci-jax0.8.3.txt": "0.8.3",
+             "ci-jax0.9.2.txt": "0.9.2"}
 
 
 def requirements(strings) -> dict[str, Requirement]:
@@ -105,3 +109,25 @@ def test_pins_fall_inside_pyproject_ranges(filename):
 def test_notebook_extras_cover_what_notebooks_import():
     # The packages notebooks import beyond the base dependencies must come from the notebooks extra.
     assert {"matplotlib", "ipywidgets", "tqdm"} <= set(EXTRAS["notebooks"])
+
+
+def test_every_supported_minor_release_has_a_pinned_environment():
+    # The release matrix (ci/test.py's releases stage) covers every JAX minor release pyproject admits,
+    # each with its own pin file and environment in ci/_venv.py.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_venv", ROOT / "ci" / "_venv.py")
+    venv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(venv)
+    assert sorted(venv.RELEASES, key=Version) == list(venv.RELEASES), f"oldest first: {venv.RELEASES}"
+    assert {venv.ENVS[r].pins.name for r in venv.RELEASES} == set(PIN_FILES), (
+        f"ci/_venv.py pins {sorted(venv.ENVS[r].pins.name for r in venv.RELEASES)}, "
+        f"this test {sorted(PIN_FILES)}")
+    for release in venv.RELEASES:
+        assert PIN_FILES[venv.ENVS[release].pins.name] == release
+    minors = {Version(r).minor for r in venv.RELEASES}
+    floor, ceiling = Version("0.7.2"), Version("0.11")
+    assert all(Version(r) in JAX_RANGE for r in venv.RELEASES)
+    expected = set(range(floor.minor, ceiling.minor))
+    assert minors == expected, (
+        f"JAX minor releases {sorted(expected)} are supported, the matrix has {sorted(minors)}")
