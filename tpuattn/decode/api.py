@@ -72,6 +72,22 @@ def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, wind
       **options: for the implementation (the split-K kernel's: ``block_size``, ``chunk_blocks``,
         ``interpret``).
 
+    Non-finite values in the cache (the rule of every decode implementation): a NaN or Inf reaches
+    exactly the output rows that see its position. One at a position a row does not see (past the
+    sequence's length, in an unused page row, before the row's window, after the row's own position)
+    changes nothing in that row; one in ``k`` at a position a row sees makes the whole row NaN (so does
+    a logit that overflows to Inf: it is made NaN before the mask and the soft-cap, which would turn it
+    into a finite number); one in ``v`` makes that row NaN in the value's column. Rows that see no key
+    stay zeros. This is the main contract's rule for keys applied to values too: the materialised
+    softmax there multiplies a hidden value by a probability of 0, and ``0 * NaN`` spreads it to every
+    row, which a kernel that skips hidden blocks cannot reproduce; row by row, every implementation
+    here gives the same answer whatever its blocks and chunks (``reference`` and ``pallas`` read
+    non-finite values as 0 and put the NaNs back where the rule says). The exception: JAX's kernels
+    (``jax_paged``, ``jax_ragged``), wrapped unchanged, are outside the rule: a non-finite value where
+    no query looks can reach the rows of the block that holds it, and one that is seen does what the
+    kernel does; cleaning the cache for them would cost a pass over it per step (see
+    :mod:`tpuattn.decode.native`).
+
     Bad shapes, dtypes, lengths outside ``[0, capacity]`` and page ids in use outside
     ``[0, num_pages)`` raise ``ValueError``/``TypeError``; the value checks need concrete arrays (under
     ``jax.jit`` lengths are clamped into range and page ids into ``[0, num_pages)`` instead, see

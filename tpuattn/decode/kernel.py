@@ -234,14 +234,26 @@ def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, head
         keep = (key < length) & (key <= query)
         if left is not None:
             keep &= key >= query - left
-        in_cache = p * block + jax.lax.broadcasted_iota(jnp.int32, (block, head_dim), 0) < length
+        dtype = v_ref.dtype
+        sees = jnp.where(keep, 1.0, 0.0).astype(dtype)  # [rows, block]
         for h in range(heads):
             cols = slice(h * head_dim, (h + 1) * head_dim)
-            q, k = q_ref[h], k_ref[:, cols]
-            # Rows past the length hold whatever the cache holds (other data, NaN): never let them in.
-            v = jnp.where(in_cache, v_ref[:, cols], 0).astype(v_ref.dtype)
+            q, k, v = q_ref[h], k_ref[:, cols], v_ref[:, cols]
+            # The contract's rule for non-finite values: they reach exactly the rows that see them.
+            # A block's rows past the length, or outside a row's window, hold whatever the cache holds
+            # (other data, NaN). A logit that is not finite (NaN or Inf in k) is NaN before the mask and
+            # the soft-cap, so the mask replaces it in the rows that cannot see it. V's non-finite
+            # entries are read as 0 (0 * NaN would reach every row of the block through e @ v) and put
+            # back as NaN, per column, in the rows that see them (`bad`: how many such entries a row sees).
+            # (Checked in float32: Mosaic cannot relayout a bf16 comparison's mask of 64 columns.)
+            v32 = v.astype(jnp.float32)
+            finite = jnp.abs(v32) < jnp.inf
+            bad = jax.lax.dot(sees, jnp.where(finite, 0.0, 1.0).astype(dtype),
+                              preferred_element_type=jnp.float32)
+            v = jnp.where(finite, v32, 0.0).astype(dtype)
             s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-            s = apply_softcap(s * scale, softcap)
+            s = s * scale
+            s = apply_softcap(jnp.where(jnp.abs(s) < jnp.inf, s, jnp.nan), softcap)
             s = jnp.where(keep, s, -jnp.inf)
             m_prev, l_prev = m_ref[h], l_ref[h]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -251,7 +263,7 @@ def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, head
             l_ref[h] = alpha * l_prev + jnp.sum(e, axis=1, keepdims=True)
             m_ref[h] = m_next
             pv = jnp.dot(e.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-            acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
+            acc_ref[h] = acc_ref[h] * alpha[:, :1] + jnp.where(bad > 0, jnp.nan, pv)
 
     for j in range(per_step):  # the step's pages, each computed only if useful
         p = (c * chunk_steps + i) * per_step + j

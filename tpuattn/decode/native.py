@@ -15,9 +15,15 @@
   (``window=left`` is its ``sliding_window=left + 1``). It requires ``q_len <= length`` per sequence;
   rows before the first position (``lengths[b] < q_len``) get zeros from the adapter.
 
-Both read every position of the last block they load, masked by a large negative logit rather than
-left out: a NaN or Inf stored past a sequence's length (an unused page row) can reach the output,
-which the contract forbids; ``reference`` and ``pallas`` zero such rows.
+Both read every position of the blocks they load and mask by a large negative logit, then multiply
+the masked probabilities by V: a NaN or Inf stored where no query looks (past a sequence's length, in
+an unused page row, before a window) can reach the rows of its block (``0 * NaN``). That is the one
+exception to the decode contract's non-finite rule (:func:`tpuattn.decode.api.attention`), kept on
+purpose: the adapters hand JAX's kernels the cache as it is, because a cleaned copy costs a pass over
+the whole cache per step (compiled for v5e at notebook 07's serving shape it tripled ``jax_paged``'s
+bytes accessed, 129 -> 403 MiB). Where unused cache slots may hold non-finite data, use ``reference``
+or ``pallas``, which keep the rule at no extra traffic. At seen positions the kernels do their own
+thing too (``jax_paged`` drops a key of ``-inf`` instead of making the row NaN).
 
 Off a TPU ``jax_paged`` runs in Pallas interpret mode under ``pltpu.force_tpu_interpret_mode()`` (it
 issues its own DMAs). ``jax_ragged`` is refused there: JAX's TPU interpreter cannot run it (0.7.2 and

@@ -33,21 +33,37 @@ def reference_decode(q, k_cache, v_cache, lengths, page_table, spec, **options):
     b, tq, h, d = q.shape
     hk, g = spec.num_kv_heads, spec.group_size
     keep = visible(lengths, tq, spec.capacity, spec.left)  # [b, tq, S]
-    valid = (jnp.arange(spec.capacity)[None, :] < lengths[:, None])[:, :, None, None]
-    # Positions past a sequence's length never contribute, whatever the cache holds there (NaN included).
-    v_cache = jnp.where(valid, v_cache, 0)
     qg = q.reshape(b, tq, hk, g, d)
+    # Non-finite values reach exactly the rows that see them (the decode contract's rule): a logit
+    # that is not finite (a NaN or Inf in k or q) becomes NaN before the mask and the soft-cap (which
+    # would turn an Inf into a finite logit), so a row that sees it is NaN and a row that does not
+    # replaces it; V is read without its non-finite entries and they are put back as NaN, per column,
+    # in the rows that see them (p @ v would spread 0 * NaN to every row).
     s = matmul("btkgd,bskd->bkgts", qg, k_cache) * spec.scale
-    s = apply_softcap(s, spec.softcap)
+    s = apply_softcap(jnp.where(jnp.isfinite(s), s, jnp.nan), spec.softcap)
     mask = keep[:, None, None]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
     total = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(total == 0, 1.0, total)
-    out = matmul("bkgts,bskd->btkgd", p, v_cache.astype(jnp.float32))
-    return out.reshape(b, tq, h, d).astype(q.dtype)
+    out = matmul("bkgts,bskd->btkgd", p, clean_values(v_cache))
+    return poison_values(out, keep, v_cache).reshape(b, tq, h, d).astype(q.dtype)
+
+
+def clean_values(v):
+    """``v`` in float32 with its non-finite entries replaced by 0."""
+    v = v.astype(jnp.float32)
+    return jnp.where(jnp.isfinite(v), v, 0.0)
+
+
+def poison_values(out, keep, v):
+    """``out [b, tq, kv_heads, group, d]`` NaN where a row sees a non-finite ``v`` in that column:
+    ``keep [b, tq, S]`` (float) times ``v``'s non-finite indicator ``[b, S, kv_heads, d]``."""
+    bad = jnp.where(jnp.isfinite(v), 0.0, 1.0)
+    hits = matmul("bts,bskd->btkd", jnp.where(keep, 1.0, 0.0), bad)
+    return jnp.where(hits[:, :, :, None] > 0, jnp.nan, out)
 
 
 register("reference", reference_decode,

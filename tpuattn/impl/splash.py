@@ -260,6 +260,16 @@ def splash_auto_rank(spec, backend: str) -> float | None:
     8 heads x 128, forward): the flash schedule at its 512 x 512 tiles is memory bound up to 2048
     tokens on v4, v5e and v5p and compute bound from 4096; on v6e, whose ridge point is above 512
     FLOP/byte, it stays memory bound at 512 x 512. The choice rests on memory (above), not speed.
+
+    Accuracy the rank cannot see: on one-hot rows at huge logits (near 1e4 in float32, where a logit's
+    ulp is ~1e-3) splash's backward takes delta = rowsum(dO * O) from its rounded output, so dS is ~1e-3
+    where the truth is 0 and dK multiplies it by the large q: measured (CPU, 128 tokens, error over
+    max|dV|, ``tests/test_splash_one_hot.py``) 7.1e-4 in dK on JAX 0.10.2, 1.9e-3 in dV on 0.7.2,
+    against 1e-4 for the materialised reference and under 1e-5 for every implementation at logits near
+    20. ``auto`` sees shapes, not values, and the package's own flash kernel recomputes the logits in
+    its backward and is less exact at such logits (dK 0.69 of max|dV|, interpret mode, JAX 0.10.2),
+    so the rank stays; exact gradients there need
+    ``impl="reference"`` or a ``softcap`` that bounds the logits.
     """
     if backend != "tpu":
         return None
