@@ -33,7 +33,8 @@ The full run's stages, cheapest first:
                       temporary folder (TPUATTN_FIGURES_DIR) so the working tree is not modified.
 * ``papermill-jax0.7.2`` every notebook executed top to bottom with papermill on JAX 0.7.2 (Colab's TPU
                       runtime, with its ipywidgets 7.7.1) through ``ci/notebooks.py --jax 0.7.2``, two
-                      notebooks at a time (one kernel each, as nbval does); outputs and figures to a
+                      notebooks at a time (one kernel each, as nbval does), ``RUN_MEMORY = False`` (the
+                      child-process memory measurements run in nbval); outputs and figures to a
                       temporary folder
 * ``releases``        the release matrix: on each JAX minor release between those two (0.8.3, 0.9.2; each in
                       its own ``.venv-jaxV`` with that release's libtpu), the smoke subset: the quick
@@ -275,8 +276,16 @@ def notebook_parameters(stem: str) -> set[str]:
 
 
 def papermill_jobs(tmp: Path) -> list[Job]:
-    """``papermill-jax0.7.2``: every notebook on Colab's JAX (0.7.2, ipywidgets 7.7.1), whole."""
-    return [notebook_job("papermill-jax0.7.2", "0.7.2", p.stem, tmp, {}) for p in notebook_files(".ipynb")]
+    """``papermill-jax0.7.2``: every notebook on Colab's JAX (0.7.2, ipywidgets 7.7.1), top to bottom,
+    with ``RUN_MEMORY = False`` where a notebook has it (its peak-memory cells start one child process
+    per point: on a CPU that measures host RSS, the same package code nbval runs on 0.10.2 and
+    ``tests/test_bench.py`` on 0.7.2; a third of these notebooks' time)."""
+    return [notebook_job("papermill-jax0.7.2", "0.7.2", p.stem, tmp, without_memory(p.stem))
+            for p in notebook_files(".ipynb")]
+
+
+def without_memory(stem: str) -> dict:
+    return {"RUN_MEMORY": False} if "RUN_MEMORY" in notebook_parameters(stem) else {}
 
 
 def release_jobs(tmp: Path) -> list[Job]:
@@ -296,8 +305,7 @@ def release_jobs(tmp: Path) -> list[Job]:
                                ["-m", "quick", *RELEASE_COMPILE_FILES], compiler))
         for p in notebook_files(".ipynb"):
             if p.stem[:2] in RELEASE_NOTEBOOKS:
-                parameters = {"RUN_MEMORY": False} if "RUN_MEMORY" in notebook_parameters(p.stem) else {}
-                jobs.append(notebook_job("releases", release, p.stem, tmp, parameters))
+                jobs.append(notebook_job("releases", release, p.stem, tmp, without_memory(p.stem)))
     return jobs
 
 
@@ -390,7 +398,7 @@ def release_matrix(rows: list[tuple[str, float, str, str]], jobs: list[Job]) -> 
         elif release == "0.7.2":
             cells = (f"{full('unit-jax0.7.2')}: all unit tests",
                      f"{full('compile-jax0.7.2')}: all compile tests",
-                     f"{full('papermill-jax0.7.2')}: 01-07 executed (papermill)")
+                     f"{full('papermill-jax0.7.2')}: 01-07 executed, RUN_MEMORY = False")
         else:
             stems = [p.stem for p in notebook_files(".ipynb") if p.stem[:2] in RELEASE_NOTEBOOKS]
             cells = (f"{smoke([f'{release} oracle'])}: the quick tier",
