@@ -291,8 +291,12 @@ if RUN_TIMING:
 # nothing of one iteration overlaps the next, so the matrix units wait on memory and on the loop.
 # The vmapped version hands XLA one large batched matmul per key block, which it can fuse, tile
 # across the MXUs and pipeline: the write-up's 45x.
-# The lesson carries over to the Pallas kernel of notebook 03: independent query blocks become a
-# `parallel` grid dimension; only the key/value loop is sequential.
+# What carries over to the Pallas kernel of notebook 03 is the information, not the mechanism. A
+# Pallas grid on a TPU runs its steps in order on one core; marking the query-block dimension
+# `parallel` says the steps are independent, which lets the compiler split them over the two
+# TensorCores of a megacore chip (v4, v5p) and does nothing on a one-core chip (v5e, v6e). The
+# kernel's speed comes from keeping each tile and the running state in VMEM, not from running query
+# blocks at once.
 
 # %% [markdown]
 # ## 5. Memory against sequence length

@@ -458,8 +458,10 @@ for name in ("v4", "v5e", "v5p", "v6e", "tpu7x"):
 # %% [markdown]
 # The `[block_q, block_kv]` float32 temporaries grow fastest (12 bytes per score): doubling both
 # blocks quadruples them, and from 512 x 512 on they are most of the total. Bigger blocks mean fewer
-# grid steps (each carries a fixed pipeline overhead and smaller blocks mean more "bubbles", as the
-# Pallas TPU matmul guide explains) and fewer K/V re-reads (below), until VMEM runs out.
+# grid steps (each carries a fixed overhead) and fewer K/V re-reads (below), until VMEM runs out. The
+# Pallas TPU matmul guide describes both ends: small blocks lose to memory traffic and per-step
+# overhead, and blocks that are large relative to the problem leave pipeline "bubbles" (the first
+# block's load and the last block's store overlap with nothing, and there are few steps to hide them).
 #
 # ## Step 4 · Masks and block skipping
 #
@@ -810,8 +812,11 @@ print("  Mosaic lowering of the scheduled kernel:", verdict)
 # backward recomputes $S$ in both kernels and adds $dP$, $dV$, $dK$ (dK/dV kernel) and $dP$, $dQ$
 # (dQ kernel): 7 matmuls, 3.5x the forward -- or 5 matmuls, the "2.5x the forward" usually quoted,
 # when $S$ and $dP$ are computed once (one fused kernel, as FlashAttention-2 on a GPU). The row-sum
-# pass adds 2 more: this package's backward executes 9 matmuls per visited tile, 4.5x the forward,
-# the price of exact gradients on nearly one-hot rows (the roofline counts it, notebook 05).
+# pass adds 2 more: this package's backward executes 9 matmuls per visited tile, 4.5x the forward.
+# That is what accurate gradients on nearly one-hot bf16 rows cost here (delta from P and dP, not
+# from the rounded output), and it is paid on every input, not only on such rows: 9 matmuls against
+# 7 or 5. Notebook 05's roofline counts them and prints this kernel's forward and backward beside
+# splash's.
 #
 # Both reuse the forward's block schedule (transposed for dK/dV), so masked tiles are skipped in the
 # backward too. The package wires forward and backward together with `jax.custom_vjp`; here we

@@ -362,8 +362,8 @@ print(f"v5e ridge point {v5e_spec.ridge_point(MODEL_DTYPE):.0f} FLOP/byte; mater
       f"{roofline.materialise_crossover(v5e_spec, heads=MODEL_HEADS, head_dim=MODEL_HEAD_DIM):,} tokens")
 
 # %% [markdown]
-# The model says three things. The materialised schedules (`reference` and `xla`, the same traffic;
-# `xla` keeps more alive) sit far left of the ridge (the intensity and ridge printed above): they
+# The model says three things. The materialised schedules (`reference` and `xla`; `xla` keeps more
+# alive) sit far left of the ridge (the intensity and ridge printed above): they
 # are memory bound at every length, and past the printed length their scores no longer fit at all.
 # The flash kernels, at the blocks printed above, re-read K/V rarely enough to turn compute bound
 # from the length printed for each. At JAX's own splash default of 128 x 128 the intensity would be
