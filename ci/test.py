@@ -101,6 +101,10 @@ QUICK_FILES = ("tests/test_architecture.py", "tests/test_oracle_suite.py", "test
 # printed numbers and timings are the ones a reader gets. The compile stages do not set it either.
 UNIT_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 COMPILE_TESTS = "tests/test_aot*.py"  # the compile stages' files; the unit stages leave them out
+# Every pytest but nbval's: without nbval's plugin (installed in .venv, it loads in every pytest
+# process otherwise and imports nbformat's jsonschema, whose IRI checker builds a grammar: about 8 s
+# of CPU per process, three processes per two-worker stage; measured with python -X importtime).
+PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-p", "no:nbval"]
 PYTEST_EXIT = {0: "passed", 1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error",
                5: "no tests collected"}
 
@@ -189,7 +193,7 @@ def stage_unit(env: _venv.Env) -> str:
     # --dist worksteal: a worker that runs out of tests takes queued ones from the other, so the
     # stage does not end on one worker's backlog of slow tests while the other core idles.
     # XLA_FLAGS (UNIT_XLA_FLAGS): LLVM's optimisation off for the CPU programs the tests compile.
-    return pytest_result(run([str(env.python), "-m", "pytest", "-p", "no:cacheprovider", "--durations=15",
+    return pytest_result(run([str(env.python), *PYTEST, "--durations=15",
                               "-n", "2", "--dist", "worksteal", f"--ignore-glob={COMPILE_TESTS}", "tests"],
                              env={**_venv.CPU_WITH_TPU_COMPILER, "XLA_FLAGS": UNIT_XLA_FLAGS}))
 
@@ -197,17 +201,16 @@ def stage_unit(env: _venv.Env) -> str:
 def stage_compile(env: _venv.Env) -> str:
     variables = {**_venv.CPU_WITH_TPU_COMPILER, "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
     files = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(COMPILE_TESTS))
-    return pytest_result(run([str(env.python), "-m", "pytest", "-p", "no:cacheprovider",
-                              "--durations=10", "-n", "2", "--dist", "worksteal", *files], env=variables))
+    return pytest_result(run([str(env.python), *PYTEST, "--durations=10", "-n", "2", "--dist", "worksteal",
+                              *files], env=variables))
 
 
 def stage_quick() -> str:
     # The edit loop's tier (tests/conftest.py marks it): the compile tests need the TPU compiler, as in
     # the compile stage, so a missing libtpu fails instead of skipping.
     variables = {**_venv.CPU_WITH_TPU_COMPILER, "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
-    return pytest_result(run([str(_venv.MAIN.python), "-m", "pytest", "-p", "no:cacheprovider",
-                              "--durations=10", "-n", "2", "--dist", "worksteal", "-m", "quick",
-                              *QUICK_FILES], env=variables))
+    return pytest_result(run([str(_venv.MAIN.python), *PYTEST, "--durations=10", "-n", "2", "--dist",
+                              "worksteal", "-m", "quick", *QUICK_FILES], env=variables))
 
 
 def stage_nbval() -> str:
@@ -257,7 +260,7 @@ def notebook_job(stage: str, release: str, stem: str, tmp: Path, parameters: dic
 
 
 def pytest_job(stage: str, label: str, env: _venv.Env, args: list[str], variables: dict) -> Job:
-    cmd = [str(env.python), "-m", "pytest", "-p", "no:cacheprovider", "-q", "--durations=5", *args]
+    cmd = [str(env.python), *PYTEST, "-q", "--durations=5", *args]
 
     def run() -> tuple[bool, str]:
         result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **variables}, stdout=subprocess.PIPE,
@@ -481,6 +484,11 @@ def main() -> int:
         parser.error("--quick and --only: choose one")
     stages = [s for s in (QUICK_STAGES if args.quick else args.only or STAGES) if s not in args.skip]
 
+    # Bytecode is written and reused: with PYTHONDONTWRITEBYTECODE set (as on this project's CI
+    # machines) every Python process the command starts -- pytest workers, notebook kernels, the
+    # tests' child processes -- compiled JAX and the rest from source again: `import jax, tpuattn,
+    # matplotlib.pyplot` took 8.0 s of CPU that way, 3.8 s from the venv's __pycache__ (measured).
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     # Wall-clock start, kept across the re-exec into .venv so the total includes its set-up.
     begin = float(os.environ.setdefault("TPUATTN_CI_START", str(time.time())))
     setup(stages)
