@@ -11,6 +11,9 @@ Four environments live at the repository root, each built from an exact pin file
                        smoke subset (``requirements/ci-jax0.8.3.txt``, ``ci-jax0.9.2.txt``): the quick
                        tier's tests and notebooks 01-03, through kernels ``tpuattn-jax0.8.3`` and ``-0.9.2``
 
+The pins are installed with uv (``requirements/uv.txt`` pins it; it is fetched once into ``.venv-uv/``
+with the system's pip): it downloads and unpacks wheels in parallel and links shared ones from its cache,
+so the four environments build in a fraction of pip's time (measured: see ``setup()`` in ci/test.py).
 The package is installed editable with ``--no-deps`` so an environment holds exactly its pin file.
 A stamp file records a hash of the pin file, the dependencies declared in ``pyproject.toml`` and the
 Python version; when any of them changes the environment is rebuilt from scratch. ``.venv`` also
@@ -28,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -87,18 +91,15 @@ class Env:
               flush=True)
         if self.path.exists():
             shutil.rmtree(self.path)
+        # A plain venv (with pip, for users who install into it by hand); uv fills it. uv writes no
+        # bytecode unless asked: Python writes it for the modules that are imported, on first import.
         _run([sys.executable, "-m", "venv", str(self.path)])
-        # --no-compile: no bytecode for the thousands of installed files nothing imports (tests,
-        # unused submodules); Python writes it for the modules that are imported, on first import.
-        pip = [str(self.python), "-m", "pip", "--disable-pip-version-check", "install", "--quiet",
-               "--no-compile"]
-        if os.environ.get("CI"):
-            pip.append("--progress-bar=off")
+        pip = [str(uv()), "pip", "install", "--quiet", "--python", str(self.python)]
         _run([*pip, "-r", str(self.pins)])
-        # Exactly the pins: the package itself adds no dependency (pip check below verifies the
-        # pins satisfy its ranges).
+        # Exactly the pins: the package itself adds no dependency (the check below verifies the pins
+        # satisfy its ranges).
         _run([*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)])
-        _run([str(self.python), "-m", "pip", "--disable-pip-version-check", "check"])
+        _run([str(uv()), "pip", "check", "--quiet", "--python", str(self.python)])
         if self.kernel:
             _run([str(self.python), "-m", "ipykernel", "install", "--sys-prefix", "--name", self.kernel,
                   "--display-name", f"Python 3 (tpuattn {self.name})"])
@@ -120,6 +121,26 @@ RELEASES = ("0.7.2", "0.8.3", "0.9.2", "0.10.2")
 # available (libtpu guards itself with a lockfile against two processes; compile-only use is safe
 # to share, so the pytest workers may each load it).
 CPU_WITH_TPU_COMPILER = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+UV_PINS = ROOT / "requirements" / "uv.txt"
+UV_HOME = ROOT / ".venv-uv"  # uv itself, installed with the system's pip (--target: no venv needed)
+_UV_LOCK = threading.Lock()  # the environments build side by side; uv is fetched once
+
+
+def uv() -> Path:
+    """The pinned uv executable, fetched on first use."""
+    with _UV_LOCK:
+        pinned = UV_PINS.read_text()
+        stamp = UV_HOME / ".tpuattn-stamp"
+        executable = UV_HOME / "bin" / "uv"
+        if not (executable.exists() and stamp.exists() and stamp.read_text() == pinned):
+            if UV_HOME.exists():
+                shutil.rmtree(UV_HOME)
+            _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "--quiet",
+                  "--target", str(UV_HOME), "-r", str(UV_PINS)])
+            stamp.write_text(pinned)
+        return executable
 
 
 def _run(cmd: list[str]) -> None:
