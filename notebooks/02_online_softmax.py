@@ -72,7 +72,7 @@ RUN_TIMING = True
 MEMORY_LENGTHS = [512, 1024, 2048, 4096]
 RUN_MEMORY = True
 # Section 6: HBM traffic per FLOP on a TPU (modelled, nothing runs): batch, heads, head_dim of a
-# bfloat16 problem without a mask, the lengths to tabulate, the query block of the blockwise schedule.
+# bfloat16 problem without a mask, the lengths to tabulate, the query block of the flash schedule.
 IO_BATCH, IO_HEADS, IO_HEAD_DIM = 1, 8, 128
 IO_LENGTHS = (2048, 8192, 32768)
 IO_BLOCK_Q = 512
@@ -357,8 +357,10 @@ if RUN_MEMORY:
 #   score matrix written once and read back twice -- for the row sums, and for the normalised $PV$
 #   matmul. Those passes are the package's own account of XLA's fused graph,
 #   `tpuattn.model.roofline.MATERIALISED_FWD_PASSES`, so this cell reads the bytes per score from it.
-# - **Blockwise** (the flash schedule of notebook 03): Q read and O written once; K and V read once
-#   per query block, $T / \text{block}_q$ times. No score ever reaches HBM.
+# - **Flash** (the schedule of notebook 03's Pallas kernel, `impl="pallas"`): Q read and O written
+#   once; K and V read once per query block, $T / \text{block}_q$ times. No score ever reaches HBM.
+#   This is not what XLA makes of `impl="blockwise"`: there each step's score tile and running state
+#   go through HBM, and notebook 05's model finds that loop memory bound.
 #
 # The chip numbers (peak bfloat16 FLOP/s, HBM bandwidth, per JAX device) come from `tpuattn.chips`,
 # which copies JAX's own table; it agrees with Google Cloud's TPU pages
@@ -386,7 +388,7 @@ def materialised_bytes(seq):
     return 4 * tensor_bytes(seq) + SCORE_BYTES * IO_BATCH * IO_HEADS * seq * seq
 
 
-def blockwise_bytes(seq, block_q=IO_BLOCK_Q):
+def flash_bytes(seq, block_q=IO_BLOCK_Q):
     q_blocks = seq // block_q
     return 2 * tensor_bytes(seq) + q_blocks * 2 * tensor_bytes(seq)  # Q, O once; K, V per q block
 
@@ -398,7 +400,7 @@ for seq in IO_LENGTHS:
     flash = dict(roofline.cost("pallas", spec, q_block=IO_BLOCK_Q, kv_block=IO_BLOCK_Q).breakdown)
     tiles_only = sum(flash[key] for key in ("read Q (once per q block)", "read K, V (once per visited tile)",
                                             "write O"))
-    assert tiles_only == blockwise_bytes(seq)
+    assert tiles_only == flash_bytes(seq)
 
 print("per JAX device (a chip on v4, v5p; one TensorCore elsewhere), bfloat16; tpuattn.chips: JAX's table")
 print(f"{'chip':<6} {'peak TFLOP/s':>12} {'HBM GB/s':>9} {'ridge FLOP/byte':>16}")
@@ -410,13 +412,13 @@ print()
 print(f"forward, batch {IO_BATCH}, {IO_HEADS} heads, head_dim {IO_HEAD_DIM}, bfloat16, no mask (modelled); "
       f"score bytes per element moved by the materialised schedule: {SCORE_BYTES}")
 print(f"{'T':>6} {'GFLOP':>8} | {'materialised GB':>15} {'FLOP/byte':>9} | "
-      f"{f'blockwise (block_q {IO_BLOCK_Q}) GB':>28} {'FLOP/byte':>9} | {'bytes saved':>11}")
+      f"{f'flash (block_q {IO_BLOCK_Q}) GB':>28} {'FLOP/byte':>9} | {'bytes saved':>11}")
 for seq in IO_LENGTHS:
-    flops, mat, blk = forward_flops(seq), materialised_bytes(seq), blockwise_bytes(seq)
+    flops, mat, blk = forward_flops(seq), materialised_bytes(seq), flash_bytes(seq)
     print(f"{seq:>6} {flops / GB:8.0f} | {mat / GB:15.2f} {flops / mat:9.1f} | {blk / GB:28.3f} "
           f"{flops / blk:9.1f} | {mat / blk:10.0f}x")
 print(f"as T grows: materialised -> 4 d / {SCORE_BYTES} = {4 * IO_HEAD_DIM / SCORE_BYTES:.1f} FLOP/byte; "
-      f"blockwise -> 2 block_q / {BF16} bytes = {2 * IO_BLOCK_Q / BF16:.0f} FLOP/byte")
+      f"flash -> 2 block_q / {BF16} bytes = {2 * IO_BLOCK_Q / BF16:.0f} FLOP/byte")
 print()
 print("roofline lower bound max(FLOPs / peak, bytes / bandwidth), forward (modelled)")
 for name in ("v5e", "v6e"):
@@ -424,7 +426,7 @@ for name in ("v5e", "v6e"):
     for seq in IO_LENGTHS:
         row = []
         for schedule, moved in (("materialised", materialised_bytes(seq)),
-                                ("blockwise", blockwise_bytes(seq))):
+                                ("flash", flash_bytes(seq))):
             compute_s, memory_s = forward_flops(seq) / chip.bf16_flops, moved / chip.hbm_bandwidth
             bound = "memory" if memory_s > compute_s else "compute"
             row.append(f"{schedule} {max(compute_s, memory_s) * 1e3:8.2f} ms ({bound} bound)")
@@ -434,11 +436,11 @@ for name in ("v5e", "v6e"):
 # Read the intensities against the ridge points. The materialised schedule's intensity is stuck near
 # $4d / 12$ -- 42.7 FLOP/byte at head_dim 128, however long the sequence -- below the ridge point of
 # every chip in the table (the lowest, v2's, is 64): it is memory bound everywhere, and the score
-# matrix's trips through HBM, not the arithmetic, set its time. The blockwise schedule's intensity
+# matrix's trips through HBM, not the arithmetic, set its time. The flash schedule's intensity
 # grows towards $2\,\text{block}_q / 2$ bytes $= \text{block}_q$, 512 FLOP/byte here: above a v5e's ridge
 # point (240), so on a v5e it is compute bound, and at 8192 tokens its lower bound is 1.40 ms against
 # the materialised schedule's 7.94 ms. A v6e's ridge point (561) is higher than 512, so there even the
-# blockwise schedule is memory bound with 512-row query blocks: a larger query block moves it over
+# flash schedule is memory bound with 512-row query blocks: a larger query block moves it over
 # (notebook 03 prints the blocks the package picks per chip). A causal mask halves the FLOPs and the
 # score bytes alike, so the intensities barely move. This is the IO argument of FlashAttention
 # (Dao et al., 2022): the point is not only that the scores fit, but that they never cross the HBM link.
@@ -458,8 +460,9 @@ for name in ("v5e", "v6e"):
 # > overlap (45x on a TPU v5e in the write-up; much less on a 2-core CPU).
 #
 # > **Takeaway.** On a TPU the blocks buy HBM traffic: materialised attention moves ~12 bytes per
-# > score and stays near $d/3$ FLOP/byte, below every chip's ridge point; the blockwise schedule
-# > moves only Q, K, V and O (K and V once per query block) and reaches ~block_q FLOP/byte.
+# > score and stays near $d/3$ FLOP/byte, below every chip's ridge point; the flash schedule of
+# > notebook 03's kernel moves only Q, K, V and O (K and V once per query block) and reaches
+# > ~block_q FLOP/byte.
 #
 # > **Takeaway.** The backward pass needs only the log-sum-exp per row: recompute each tile's
 # > probabilities instead of storing them, and the training step keeps linear memory too.

@@ -68,7 +68,7 @@ SEQ_LEN = 512  # lesson kernels: sequence length (a multiple of the blocks)
 HEAD_DIM = 64  # lesson kernels: head dimension
 NUM_HEADS = 2  # lesson kernels: query heads
 BLOCK_Q = 128  # lesson kernels: query rows per block (a multiple of 8)
-BLOCK_KV = 128  # lesson kernels: keys per block (a multiple of 128)
+BLOCK_KV = 128  # lesson kernels: keys per block (a multiple of 8; 128 fills the score tile's lanes)
 GRID_LEN = 1024  # the drawn grid: sequence length
 GRID_WINDOW = 384  # the drawn windowed grid: left window (with causal)
 RUN_BENCHMARKS = True  # time the compiled kernel -- only acts on a TPU runtime
@@ -209,6 +209,11 @@ check("step 1, one block (float32)", one_block_attention(q1, k1, v1), want, 2e-5
 # > by that escape clause (the block spans the whole dimension) and then fills half of each
 # > register's lanes; the package pads `head_dim` to a multiple of 128 for that reason. The MXU
 # > multiplies 128 x 128 tiles (256 x 256 on v6e), another reason blocks come in multiples of 128.
+# > A bfloat16 value is 16 bits, so two rows share each 32-bit sublane: the compiler lays bfloat16
+# > arrays out as `T(8,128)(2,1)`, an (8, 128) tile of 32-bit words each holding two rows, so the
+# > native bfloat16 tile is **(16, 128)** ("How to Scale Your Model", the profiling chapter,
+# > https://jax-ml.github.io/scaling-book/profiling/). Pallas's block rule still says 8 for every
+# > dtype; a bfloat16 block of fewer than 16 rows fills only part of a packed tile.
 #
 # `pl.squeezed` (written `None` in older code) drops the batch and head dimensions from the block,
 # so the kernel body sees 2-D `[block, head_dim]` tiles. Below, K and V are still whole sequences per
@@ -272,7 +277,7 @@ for block_q in (BLOCK_Q, 8, 4):
 # chip. Each grid step of this version still holds **all** of K and V in VMEM: at 32k tokens,
 # head_dim 128, bfloat16 that is 2 x 8 MiB before the Q block, the output and the temporaries --
 # more than the 16 MiB of scoped VMEM a kernel gets on a v5e by default. Lowering cannot see that;
-# the TPU compiler can (and reports the exact size), and it runs on this machine
+# the TPU compiler can, and it runs on this machine
 # when `libtpu` is installed (`pip install "jax[tpu]"`, which brings compile-only TPU devices:
 # nothing runs on a TPU). `tpuattn.measure.aot.compile_for` compiles any function for one device of
 # a chip. Every result below is **compiled for TPU v5e, not run**.
@@ -296,8 +301,9 @@ if COMPILER:
             print(f"{name}, 32k tokens: the TPU compiler says\n  {aot.first_error_line(error)}")
 
 # %% [markdown]
-# Lowering said "ok" for this kernel; the compiler refuses it for running out of scoped VMEM. Next
-# we block K and V too.
+# Lowering said "ok" for this kernel; the compiler refuses it for running out of scoped VMEM. The
+# size in its message is that of the one scoped allocation that did not fit under the limit, not the
+# kernel's total VMEM, so do not read it as the kernel's need. Next we block K and V too.
 
 # %% [markdown]
 # ## Step 3 · The key/value axis, VMEM scratch and the online softmax
@@ -415,6 +421,29 @@ check("step 3, online softmax over kv blocks", flash_attention(q, k, v),
       reference(q, k, v), 2e-5)
 
 # %% [markdown]
+# **Which `block_kv` does the tile rule allow?** In the K and V blocks, `[block_kv, head_dim]`,
+# `block_kv` is the *sublane* dimension, so the rule asks only for a multiple of 8. It is the *lane*
+# dimension of the float32 score tile `[block_q, block_kv]`, where fewer than 128 keys leave lanes
+# empty: that is why the package's blocks are multiples of 128 (`tpuattn.pallas.ForwardBlocks`
+# refuses others) -- a choice for speed, not the tile rule. The compiler settles it, for float32 and
+# for bfloat16 with its packed (16, 128) tile:
+
+# %%
+if COMPILER:
+    for dtype in (jnp.float32, jnp.bfloat16):
+        shapes = [jax.ShapeDtypeStruct((1, SEQ_LEN, 1, 128), dtype)] * 3  # head_dim 128: full lanes
+        for block_kv in (8, 32, 64, 128):
+            lesson = functools.partial(flash_attention, block_kv=block_kv, interpret=False)
+            try:
+                aot.compile_for("v5e", lesson, shapes)
+                verdict = aot.LABEL  # "compiled (TPU compiler, not run)"
+            except Exception as error:  # noqa: BLE001 - the compiler's message is the answer
+                verdict = aot.first_error_line(error)[:150]
+            print(f"step 3 kernel, v5e, {jnp.dtype(dtype).name:<8}, block_kv {block_kv:>3}: {verdict}")
+
+# %% [markdown]
+# Every `block_kv` above compiles, in both dtypes -- 8-row bfloat16 blocks included.
+#
 # `flash_attention` already contains steps 4 and 5 (marked in the comments); with `causal=False` and
 # equal head counts they are inactive. (Index maps use `jax.lax.div` rather than `//`: the indices
 # are non-negative, so truncating division equals floor division, and it lowers to a single scalar
@@ -984,7 +1013,9 @@ assert schedule.total_computed == n * (n + 1) // 2 and schedule.total_fetched ==
 # matmuls, 2 FLOPs per multiply-add), halved for causal, against the chip's peak bfloat16 rate
 # (`tpuattn.roofline.chip_spec`: JAX's chip table on JAX >= 0.8.1, else Google's published per-chip
 # numbers). On any other backend the kernel runs in interpret mode, whose timings measure Pallas's
-# interpreter, not the kernel -- so nothing is measured.
+# interpreter, not the kernel -- so nothing is measured. This section, like every `ON_TPU` path of
+# this notebook (`INTERPRET = False`), is written for a TPU runtime and has not been run on one by
+# the project: its committed outputs come from a CPU run.
 
 # %%
 from tpuattn import chips
@@ -1043,8 +1074,10 @@ else:
 # > not change** -- which is how masked steps become free.
 #
 # > **Takeaway.** The last two dims of every block obey the **(8 sublanes, 128 lanes)** tile:
-# > lay tensors out `[batch, heads, seq, head_dim]`, pad head_dim to 128, keep `block_kv` a multiple
-# > of 128 and `block_q` of 8. Interpret mode does not check this; Mosaic's lowering does.
+# > lay tensors out `[batch, heads, seq, head_dim]`, pad head_dim to 128, keep `block_q` and
+# > `block_kv` (the sublane dimension of the Q and K/V blocks) multiples of 8. A `block_kv` of 128 or
+# > more fills the lanes of the `[block_q, block_kv]` score tile: a choice for speed, not the rule.
+# > Interpret mode does not check the rule; Mosaic's lowering does.
 #
 # > **Takeaway.** Running statistics live in **float32 VMEM scratch**, initialised on the first kv
 # > step and written on the last; the kv axis carries that state, so it is the last grid axis and

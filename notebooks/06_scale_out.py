@@ -56,7 +56,8 @@ if "google.colab" in sys.modules:
 # %% [markdown]
 # Eight devices. On a CPU, XLA can split the host into several devices; the flag must be set before
 # JAX starts, so this cell comes before any `import jax`. On a TPU runtime the flag only affects the
-# CPU backend and the notebook uses the TPU chips when there are enough of them.
+# CPU backend and the notebook uses the TPU chips when there are enough of them: a path written for
+# a TPU runtime and not yet run on one by the project.
 
 # %% tags=["nbval-ignore-output"]
 import os
@@ -267,9 +268,10 @@ print(f"causal window of {SEQ_LEN // N_DEVICES} tokens: the ring runs {windowed.
 # `jax.experimental.topologies` describes a whole slice, `v5e:2x4` (eight v5e chips) or `v5p:2x2x2`
 # (eight v5p chips), and `slices.slice_row` compiles `parallel.attention` for it with the sequence
 # sharded over all eight chips. From the compiled program of one device we read its memory and its
-# collectives, and whether each asynchronous transfer has compute scheduled between its start and
-# its done: the compiler overlapping the ring's sends with its attention. The package ships that
-# report, made by the command it records.
+# collectives, and, for each asynchronous permute (a `collective-permute-start`/`-done` pair),
+# whether the compiler scheduled compute between its start and its done (the `overlap` column):
+# only such a send can hide behind the ring's attention. The package ships that report, made by the
+# command it records.
 
 # %%
 import shlex
@@ -355,6 +357,17 @@ for strategy in ("ring", "allgather"):
 # transfers are free (`tpuattn.model.comm`). ICI figures: Google Cloud's per-chip bidirectional
 # bandwidth over `2 x` its ports (v5e: 400 GB/s, 4 ports; v5p: 1200 GB/s, 6 ports; cited in
 # `tpuattn/chips.py`).
+#
+# One link per step assumes ring neighbours are physical neighbours. A v5e 2x4 or v5p 2x2x2 slice
+# has no wraparound links: they exist only on full axes (16 chips on v5e; on v5p, multiples of a
+# 4x4x4 cube) -- "How to Scale Your Model", the TPU chapter,
+# https://jax-ml.github.io/scaling-book/tpus/. A ring over such a slice keeps every hop, the closing
+# one included, to one link in a snake (boustrophedon) order: along one row, back along the next, so
+# the last device sits next to the first. `Mesh(devices, ...)` keeps the order it is given (section
+# 6's compiled rows use the topology's device order), and `jax.experimental.mesh_utils.
+# create_device_mesh` orders devices from their physical coordinates (for eight v5e chips, a fixed
+# ring order: `_V5E_TRAY_RING_ORDER` in JAX's `jax/_src/mesh_utils.py`). On a real slice, check
+# that consecutive devices of the ring differ by one in one coordinate of `device.coords`.
 
 # %%
 for chip_name in ("v5e", "v5p"):
@@ -414,8 +427,10 @@ for r in rows:
 #
 # > **Takeaway.** Causal masks make a plain split unfair; zigzag makes every device's work equal,
 # > and a window stops the ring early. Whether the ring's transfers are free is a question of block
-# > length against ICI bandwidth — and of whether the compiler overlaps them, which its schedule
-# > shows without a TPU.
+# > length against ICI bandwidth, of physically adjacent ring neighbours, and of whether the
+# > compiler schedules compute inside each send. Its schedule shows that without a TPU: section 7's
+# > last lines count, per compiled ring, how many of its asynchronous permutes have compute inside
+# > them -- not always all of them.
 #
 # ## Exercises
 #
