@@ -37,24 +37,30 @@ def _allowed(length, q_len, window):
     return ok
 
 
-def softmax_rows(logits, allowed):
+def softmax_rows(logits, allowed, sink=None):
     """Softmax over the allowed entries of each row (float64); rows with none give zeros, and the
-    logsumexp (``-inf`` for such rows)."""
+    logsumexp (``-inf`` for such rows). ``sink``: one more logit in every row's denominator, with
+    no value (its mass is left out of the weights returned)."""
     masked = np.where(allowed, logits, -np.inf)
     if masked.shape[-1]:
         top = masked.max(axis=-1, keepdims=True)
     else:
         top = np.full(masked.shape[:-1] + (1,), -np.inf)
+    if sink is not None:
+        top = np.maximum(top, sink)
     top_safe = np.where(np.isfinite(top), top, 0.0)
     w = np.where(allowed, np.exp(masked - top_safe), 0.0)
     total = w.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(sink - top_safe)
     with np.errstate(divide="ignore"):
         lse = (top_safe + np.log(total))[..., 0]
     return w / np.where(total > 0, total, 1.0), lse
 
 
-def oracle_decode(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, window=None, softcap=None):
-    """Float64 output ``[batch, q_len, heads, d]``."""
+def oracle_decode(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, window=None, softcap=None,
+                  sinks=None):
+    """Float64 output ``[batch, q_len, heads, d]`` (``sinks``: one logit per query head, no value)."""
     q = np.asarray(q, np.float64)
     batch, q_len, heads, d = q.shape
     kv_heads = np.asarray(k_cache).shape[2]
@@ -70,7 +76,7 @@ def oracle_decode(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, 
             s = scale * q[b, :, h] @ k[:, h // group].T
             if softcap is not None:
                 s = softcap * np.tanh(s / softcap)
-            w, _ = softmax_rows(s, allowed)
+            w, _ = softmax_rows(s, allowed, None if sinks is None else float(sinks[h]))
             out[b, :, h] = w @ v[:, h // group]
     return out
 

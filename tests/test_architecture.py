@@ -153,7 +153,7 @@ def test_the_cycle_finder_finds_cycles():
 LAYERS = [
     # facts: each imports only the standard library and JAX
     ("tpuattn._checks", "tpuattn.errors", "tpuattn.chips", "tpuattn.softmax", "tpuattn.sharding"),
-    ("tpuattn.numerics",),  # the one matmul reads the target chip's backend
+    ("tpuattn.numerics", "tpuattn.sinks"),  # the one matmul reads the target chip's backend
     ("tpuattn.spec",),
     ("tpuattn.registry", "tpuattn.supports"),
     ("tpuattn.impl", "tpuattn.pallas"),

@@ -10,9 +10,10 @@ decode contract uses too.
 
 from __future__ import annotations
 
+from tpuattn import sinks as attention_sinks
 from tpuattn.errors import UnavailableImplementation, UnsupportedInput
 from tpuattn.registry import REGISTRY, Choice, Implementation, Subset, register
-from tpuattn.spec import AttentionSpec, make_spec
+from tpuattn.spec import AttentionSpec, make_spec, normalise_sinks
 
 # The built-in implementations: name -> (the module that registers it, its priority). A module is
 # imported the first time its implementation is asked for; the priority breaks ``auto`` ties (lower
@@ -31,11 +32,15 @@ for _name, (_module, _priority) in IMPLEMENTATION_MODULES.items():
 # The implementations :mod:`tpuattn.parallel` can run as its local kernel, ranked by ``partial_rank``.
 RETURNS_PARTIALS = Subset("returns partial results", lambda record: record.partial is not None,
                           rank="partial_rank")
+# The implementations that take ``sinks``: the sink is merged as one more partial result
+# (:mod:`tpuattn.sinks`), so the same ones, ranked the same way.
+TAKES_SINKS = Subset("takes sinks (it returns partial results, and the sink is merged as one more)",
+                     RETURNS_PARTIALS.accepts, rank="partial_rank")
 
-__all__ = ["RETURNS_PARTIALS", "AttentionSpec", "Choice", "Implementation", "UnavailableImplementation",
-           "UnsupportedInput", "attention", "choose", "choose_implementation", "get_implementation",
-           "implementations", "known_implementations", "make_spec", "register", "resolve",
-           "unavailable_implementations"]
+__all__ = ["RETURNS_PARTIALS", "TAKES_SINKS", "AttentionSpec", "Choice", "Implementation",
+           "UnavailableImplementation", "UnsupportedInput", "attention", "choose", "choose_implementation",
+           "get_implementation", "implementations", "known_implementations", "make_spec", "register",
+           "resolve", "unavailable_implementations"]
 
 
 def _load() -> dict[str, Implementation]:
@@ -91,7 +96,7 @@ def resolve(impl: str, spec: AttentionSpec, backend: str | None = None, *,
 
 
 def attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
-              impl="auto", **options):
+              sinks=None, impl="auto", **options):
     """Scaled dot-product attention behind one contract.
 
     Args:
@@ -107,6 +112,10 @@ def attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=Non
       window: ``(left, right)`` keeps keys ``p_i - left <= j <= p_i + right``; an int ``w``
         means ``(w, w)``; ``None`` on one side leaves it unbounded.
       softcap: replace each logit ``s`` by ``softcap * tanh(s / softcap)`` before masking.
+      sinks: ``[num_q_heads]`` floats: one logit per query head in every row's softmax denominator
+        that adds no value (attention sinks, :mod:`tpuattn.sinks`); differentiable. Taken by the
+        implementations that return partial results (``reference``, ``blockwise``, ``pallas``;
+        ``"auto"`` chooses among them), refused by the others.
       impl: an implementation name from :func:`implementations`, or ``"auto"``
         (see :func:`choose`; the choice is logged at debug level on the ``tpuattn`` logger).
       **options: passed to the implementation (block sizes, for example).
@@ -116,4 +125,8 @@ def attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=Non
     """
     q, k, v, segments, spec = make_spec(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids,
                                         window=window, softcap=softcap)
-    return resolve(impl, spec).fn(q, k, v, segments, spec, **options)
+    if sinks is None:
+        return resolve(impl, spec).fn(q, k, v, segments, spec, **options)
+    sinks = normalise_sinks(sinks, spec.num_q_heads)
+    record = resolve(impl, spec, subset=TAKES_SINKS)
+    return attention_sinks.attention(record.partial, q, k, v, segments, spec, sinks, **options)

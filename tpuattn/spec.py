@@ -455,3 +455,19 @@ def make_spec(q, k, v, *, causal=False, scale=None, segment_ids=None, window=Non
                             head_dim=head_dim, dtype=dtype, causal=causal, window=window, softcap=softcap,
                             scale=scale, has_segments=segments is not None)
     return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), segments, spec
+
+
+def normalise_sinks(sinks, num_q_heads: int):
+    """The contract's ``sinks`` (one logit per query head, :mod:`tpuattn.sinks`) as a float32 array
+    ``[num_q_heads]``, or ``None``. Any floating dtype; ``-inf`` turns a head's sink off."""
+    if sinks is None:
+        return None
+    import jax.numpy as jnp
+
+    shape = _shape_of("sinks", sinks)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks: expected a floating dtype (one logit per query head), got {sinks.dtype}")
+    if shape != (num_q_heads,):
+        raise ValueError(f"sinks: expected shape ({num_q_heads},) (one logit per query head), got {shape}")
+    return jnp.asarray(sinks, jnp.float32)
+

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from tpuattn.decode.registry import REGISTRY, DecodeImplementation
 from tpuattn.decode.spec import DecodeSpec, make_decode_spec
-from tpuattn.registry import Choice
+from tpuattn.registry import Choice, Subset
+from tpuattn.spec import normalise_sinks
 
 
 def known_implementations() -> tuple[str, ...]:
@@ -39,6 +40,10 @@ def choose(spec: DecodeSpec, backend: str | None = None) -> Choice:
     return REGISTRY.choose(spec, backend)
 
 
+# The decode implementations that take ``sinks`` (their record says so), ranked as for "auto".
+TAKES_SINKS = Subset("takes sinks", lambda record: record.takes_sinks)
+
+
 def resolve(impl: str, spec: DecodeSpec, backend: str | None = None) -> DecodeImplementation:
     """The record that will serve ``spec`` (by name, or ``"auto"``), refused with
     :class:`~tpuattn.errors.UnavailableImplementation` or :class:`~tpuattn.errors.UnsupportedInput`."""
@@ -46,7 +51,7 @@ def resolve(impl: str, spec: DecodeSpec, backend: str | None = None) -> DecodeIm
 
 
 def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, window=None, softcap=None,
-              impl="auto", **options):
+              sinks=None, impl="auto", **options):
     """Attention of a few new queries per sequence over a KV cache (one decode step), forward only.
 
     Args:
@@ -67,6 +72,9 @@ def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, wind
       window: an int ``w`` or ``(left, right)`` as in :func:`tpuattn.attention`, relative to each
         query's position (with the causal mask only ``left`` narrows anything).
       softcap: logits ``s`` become ``softcap * tanh(s / softcap)``.
+      sinks: ``[heads]`` floats, as in :func:`tpuattn.attention`: one logit per query head in each
+        row's softmax denominator, with no value (taken by ``reference`` and ``pallas``; JAX's kernels,
+        wrapped unchanged, refuse them). A row that sees no key stays zeros.
       impl: ``"auto"`` (see :func:`choose`) or a name from :func:`implementations` (the list is in
         :mod:`tpuattn.decode`'s docstring).
       **options: for the implementation (the split-K kernel's: ``block_size``, ``chunk_blocks``,
@@ -99,4 +107,8 @@ def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, wind
     """
     q, k_cache, v_cache, lengths, page_table, spec = make_decode_spec(
         q, k_cache, v_cache, lengths, page_table, scale=scale, window=window, softcap=softcap)
-    return resolve(impl, spec).fn(q, k_cache, v_cache, lengths, page_table, spec, **options)
+    if sinks is None:
+        return resolve(impl, spec).fn(q, k_cache, v_cache, lengths, page_table, spec, **options)
+    sinks = normalise_sinks(sinks, spec.num_q_heads)
+    record = REGISTRY.resolve(impl, spec, subset=TAKES_SINKS)
+    return record.fn(q, k_cache, v_cache, lengths, page_table, spec, sinks=sinks, **options)

@@ -49,6 +49,7 @@ from tpuattn.decode.registry import register
 from tpuattn.decode.spec import DecodeSpec, padded_rows
 from tpuattn.numerics import apply_softcap, first_order_only, matmul_precision
 from tpuattn.pallas.layout import LANES, NT_DIMS
+from tpuattn.sinks import sink_partial
 from tpuattn.supports import low_precision_matmul_refused
 
 OPTIONS = ("block_size", "chunk_blocks", "pages_per_step", "interpret")
@@ -373,7 +374,7 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     return [softmax.Partial(out[c], m[c], log_l[c]) for c in range(nc)]
 
 
-def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, **options):
+def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *, sinks=None, **options):
     """The ``impl="pallas"`` entry point. Options: ``block_size`` (contiguous cache rows per block,
     default 512), ``pages_per_step`` (paged cache: pages per grid step, each its own BlockSpec; default
     128 rows' worth), ``chunk_blocks`` (blocks per split-K chunk, rounded up to whole steps; default
@@ -383,6 +384,9 @@ def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, **
     interpret = resolve_interpret(options.get("interpret"))
     run = functools.partial(partials, spec=spec, geo=geo, interpret=interpret)
     chunks = first_order_only(run, FORWARD_ONLY)(q, k_cache, v_cache, lengths, page_table)
+    if sinks is not None:  # the sinks are one more part of the split-K merge (tpuattn.sinks)
+        b, tq, _, d = q.shape
+        chunks = [*chunks, sink_partial(sinks, b, tq, d)]
     return softmax.merge(*chunks).out.astype(q.dtype)
 
 
@@ -393,4 +397,4 @@ def pallas_supports(spec: DecodeSpec, backend: str | None = None) -> str | None:
 register("pallas", pallas_decode,
          description="split-K (flash-decoding) Pallas TPU kernel, scalar-prefetched lengths/page table",
          supports=pallas_supports, auto_rank=lambda spec, backend: 0.0 if backend == "tpu" else None,
-         interpreted_off_tpu=True, options=OPTIONS)
+         interpreted_off_tpu=True, options=OPTIONS, takes_sinks=True)

@@ -26,7 +26,7 @@ def visible(lengths, q_len: int, capacity: int, left: int | None):
     return keep
 
 
-def reference_decode(q, k_cache, v_cache, lengths, page_table, spec, **options):
+def reference_decode(q, k_cache, v_cache, lengths, page_table, spec, *, sinks=None, **options):
     known_options("reference", options, ())
     if spec.paged:
         k_cache, v_cache = gather_cache(k_cache, page_table), gather_cache(v_cache, page_table)
@@ -44,9 +44,14 @@ def reference_decode(q, k_cache, v_cache, lengths, page_table, spec, **options):
     mask = keep[:, None, None]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:  # one more logit per head in the denominator, with no value
+        z = jnp.asarray(sinks, jnp.float32).reshape(1, hk, g, 1, 1)
+        m = jnp.maximum(m, z)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
     total = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(z - m)
     p = p / jnp.where(total == 0, 1.0, total)
     out = matmul("bkgts,bskd->btkgd", p, clean_values(v_cache))
     return poison_values(out, keep, v_cache).reshape(b, tq, h, d).astype(q.dtype)
@@ -67,7 +72,7 @@ def poison_values(out, keep, v):
 
 
 register("reference", reference_decode,
-         description="gather pages, mask, materialised float32 softmax (jax.numpy, XLA)",
+         description="gather pages, mask, materialised float32 softmax (jax.numpy, XLA)", takes_sinks=True,
          auto_rank=lambda spec, backend: 0.0 if backend != "tpu" else 10.0)
 
 

@@ -30,6 +30,8 @@ class DecodeImplementation:
       interpreted_off_tpu: a Pallas TPU kernel that runs in interpret mode elsewhere (timings there are
         not kernel speed).
       options: the option names ``fn`` accepts.
+      takes_sinks: ``fn`` accepts ``sinks=`` (float32 ``[heads]``, :mod:`tpuattn.sinks`): one logit per
+        query head in each row's softmax denominator, with no value.
       priority: breaks ``auto`` ties (lower wins); a built-in takes its declared one.
     """
 
@@ -41,6 +43,7 @@ class DecodeImplementation:
     auto_rank: Callable[[DecodeSpec, str], float | None] = _never_auto
     interpreted_off_tpu: bool = False
     options: tuple[str, ...] = ()
+    takes_sinks: bool = False
     priority: int = DEFAULT_PRIORITY
 
 

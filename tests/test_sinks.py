@@ -1,0 +1,153 @@
+"""Attention sinks in the contract: every implementation that takes them against the float64 oracle
+(forward, and gradients of q, k, v and the sinks), and the refusals of those that do not."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_grads_close, random_qkv
+from oracle import oracle_attention, oracle_grads
+
+import tpuattn
+from tpuattn.api import TAKES_SINKS, choose, make_spec
+from tpuattn.errors import UnavailableImplementation, UnsupportedInput
+
+TAKERS = tpuattn.implementations(TAKES_SINKS)
+FORWARD_TOL, GRAD_TOL = 2e-5, 1e-4
+
+# (name, lengths and heads, contract keywords, sinks): the sinks span "takes most of the mass" (3.0
+# against logits of about +-1) to "off" (-inf) and negative; one case has rows that see no key.
+CASES = {
+    "causal-gqa": (dict(q_len=40, kv_len=40, q_heads=4, kv_heads=2), dict(causal=True),
+                   [3.0, -1.0, 0.5, -np.inf]),
+    "window-softcap-qlen<kvlen": (dict(q_len=24, kv_len=56, q_heads=2, kv_heads=1),
+                                  dict(causal=True, window=(10, 0), softcap=5.0), [0.0, 2.0]),
+    "segments-with-empty-rows": (dict(q_len=6, kv_len=6, q_heads=2, kv_heads=2),
+                                 dict(segment_ids=(np.array([[0, 9, 0, 9, 1, 1]], np.int32),
+                                                   np.array([[0, 0, 1, 1, 1, 1]], np.int32))), [1.0, -2.0]),
+}
+
+
+def _run(impl, kw, q, k, v, sinks, d_out):
+    """One compiled function: the output and the gradients of sum(out * d_out) in q, k, v, sinks."""
+
+    def both(q, k, v, sinks, d_out):
+        out, vjp = jax.vjp(lambda *a: tpuattn.attention(*a[:3], sinks=a[3], impl=impl, **kw), q, k, v, sinks)
+        return out, vjp(d_out)
+
+    return jax.jit(both)(q, k, v, jnp.asarray(sinks, jnp.float32), d_out)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("impl", TAKERS)
+def test_sinks_match_the_oracle_forward_and_gradients(impl, case):
+    sizes, kw, sinks = CASES[case]
+    rng = np.random.default_rng(7)
+    q, k, v = random_qkv(rng, sizes["q_len"], sizes["kv_len"], q_heads=sizes["q_heads"],
+                         kv_heads=sizes["kv_heads"])
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    sinks = np.array(sinks, np.float32)
+    out, grads = _run(impl, kw, q, k, v, sinks, d_out)
+    got = np.asarray(out, np.float64)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, oracle_attention(q, k, v, sinks=sinks, **kw), atol=FORWARD_TOL,
+                               rtol=FORWARD_TOL, err_msg="forward")
+    want = oracle_grads(q, k, v, d_out, sinks=sinks, **kw)
+    assert_grads_close(grads[:3], want[:3], tol=GRAD_TOL, finite=True)
+    np.testing.assert_allclose(np.asarray(grads[3], np.float64), want[3], atol=GRAD_TOL, rtol=GRAD_TOL,
+                               err_msg="dsinks")
+    if "empty" in case:  # rows 1 and 3 see no key: zeros out, and nothing flows back from them
+        np.testing.assert_array_equal(got[0, [1, 3]], 0.0)
+
+
+def test_the_oracle_sink_gradient_is_the_derivative_of_its_forward():
+    """The oracle's own check: its dsinks against central differences of its float64 forward."""
+    rng = np.random.default_rng(1)
+    q, k, v = (x.astype(np.float64) for x in random_qkv(rng, 5, 7, q_heads=2, kv_heads=1, head_dim=4))
+    d_out, sinks, kw = rng.standard_normal(q.shape), np.array([0.3, -0.8]), dict(causal=True)
+    want = oracle_grads(q, k, v, d_out, sinks=sinks, **kw)[3]
+    eps = 1e-6
+    for h in range(2):
+        step = np.eye(2)[h] * eps
+        hi = np.sum(oracle_attention(q, k, v, sinks=sinks + step, **kw) * d_out)
+        lo = np.sum(oracle_attention(q, k, v, sinks=sinks - step, **kw) * d_out)
+        assert abs((hi - lo) / (2 * eps) - want[h]) < 1e-7
+
+
+def test_a_sink_of_minus_infinity_is_no_sink_and_a_large_one_takes_the_mass():
+    rng = np.random.default_rng(2)
+    q, k, v = random_qkv(rng, 16, 16)
+    plain = np.asarray(tpuattn.attention(q, k, v, causal=True, impl="reference"))
+    off = np.asarray(tpuattn.attention(q, k, v, causal=True, sinks=jnp.full((2,), -jnp.inf),
+                                       impl="reference"))
+    np.testing.assert_allclose(off, plain, atol=1e-6, rtol=1e-6)  # another path: float32 rounding apart
+    heavy = np.asarray(tpuattn.attention(q, k, v, causal=True, sinks=jnp.full((2,), 60.0), impl="blockwise"))
+    assert np.abs(heavy).max() < 1e-20  # exp(-60) of the mass is left for the values
+
+
+def test_auto_chooses_among_the_implementations_that_take_sinks():
+    *_, spec = make_spec(*random_qkv(np.random.default_rng(0), 8, 8))
+    choice = choose(spec, "cpu", subset=TAKES_SINKS)
+    assert choice.impl in TAKERS
+    refused = dict(choice.refused)
+    assert "xla" in refused and "takes sinks" in refused["xla"]
+
+
+@pytest.mark.parametrize("impl", sorted(set(tpuattn.known_implementations()) - set(TAKERS)))
+def test_implementations_without_partial_results_refuse_sinks(impl):
+    q, k, v = random_qkv(np.random.default_rng(0), 8, 8)
+    with pytest.raises((UnsupportedInput, UnavailableImplementation), match="sinks|not available"):
+        tpuattn.attention(q, k, v, sinks=jnp.zeros(2), impl=impl)
+
+
+@pytest.mark.parametrize(("sinks", "error", "match"), [
+    (np.zeros(3, np.float32), ValueError, r"sinks: expected shape \(2,\).*got \(3,\)"),
+    (np.zeros((1, 2), np.float32), ValueError, r"sinks: expected shape \(2,\)"),
+    (np.zeros(2, np.int32), TypeError, "sinks: expected a floating dtype.*int32"),
+    ([0.0, 1.0], TypeError, "sinks: expected an array, got list"),
+])
+def test_bad_sinks_are_refused_by_name(sinks, error, match):
+    q, k, v = random_qkv(np.random.default_rng(0), 8, 8)
+    with pytest.raises(error, match=match):
+        tpuattn.attention(q, k, v, sinks=sinks, impl="reference")
+
+
+# ----------------------------------------------------------------------------- decode
+DECODE_TAKERS = tuple(name for name in tpuattn.decode.implementations()
+                      if tpuattn.decode.get_implementation(name).takes_sinks)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("impl", DECODE_TAKERS)
+def test_decode_with_sinks_matches_the_oracle(impl, paged):
+    from decode_oracle import oracle_decode
+
+    rng = np.random.default_rng(5)
+    b, q_len, heads, kv_heads, d, page = 3, 2, 4, 2, 32, 8
+    lengths = np.array([0, 5, 24], np.int32)  # an empty sequence: its rows stay zeros
+    if paged:
+        k = rng.standard_normal((b * 3 + 2, page, kv_heads, d)).astype(np.float32)
+        table = rng.permutation(b * 3 + 2)[: b * 3].reshape(b, 3).astype(np.int32)
+    else:
+        k, table = rng.standard_normal((b, 24, kv_heads, d)).astype(np.float32), None
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    q = rng.standard_normal((b, q_len, heads, d)).astype(np.float32)
+    sinks = np.array([2.0, -1.0, 0.0, -np.inf], np.float32)
+    options = dict(chunk_blocks=1, pages_per_step=1) if impl == "pallas" and paged else {}
+    out = jax.jit(lambda q, k, v, lengths, table, sinks: tpuattn.decode.attention(
+        q, k, v, lengths, page_table=table, softcap=4.0, sinks=sinks, impl=impl, **options))(
+        q, k, v, lengths, table, sinks)
+    got = np.asarray(out, np.float64)
+    want = oracle_decode(q, k, v, lengths, page_table=table, softcap=4.0, sinks=sinks)
+    np.testing.assert_allclose(got, want, atol=FORWARD_TOL, rtol=FORWARD_TOL)
+    np.testing.assert_array_equal(got[0], 0.0)
+
+
+@pytest.mark.parametrize("impl", sorted(set(tpuattn.decode.known_implementations()) - set(DECODE_TAKERS)))
+def test_decode_implementations_that_cannot_take_sinks_refuse_them(impl):
+    q = jnp.zeros((1, 1, 2, 128), jnp.float32)
+    cache = jnp.zeros((1, 16, 2, 128), jnp.float32)
+    with pytest.raises((UnsupportedInput, UnavailableImplementation), match="sinks|not available"):
+        tpuattn.decode.attention(q, cache, cache, jnp.array([3]), sinks=jnp.zeros(2), impl=impl)

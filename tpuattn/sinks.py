@@ -1,0 +1,90 @@
+"""Attention sinks: one learned logit per query head that takes softmax mass and adds no value.
+
+With sinks ``z`` (``[num_q_heads]``), row ``i`` of head ``h`` weighs its visible keys by
+``exp(s_ij) / (exp(z_h) + sum_j exp(s_ij))``: the sink sits in the denominator only, so a row can
+give most of its attention to "nothing" instead of to the first token (Xiao et al., *Efficient
+Streaming Language Models with Attention Sinks*, 2023, https://arxiv.org/abs/2309.17453; as a
+learned per-head logit in OpenAI's gpt-oss, https://github.com/openai/gpt-oss). The sink is a logit
+of the final score space (after ``scale`` and ``softcap``, which it does not pass through), and a
+row that sees no key gives it all the mass: its output is zeros, as without sinks.
+
+In the package's partial-softmax seam the sink is *one more part*: attention over no value with row
+max ``z_h`` and row sum 1, i.e. :class:`tpuattn.softmax.Partial` ``(0, z_h, 0)``. Merged with the
+keys' partial (:func:`tpuattn.softmax.merge`) it gives the sink's softmax exactly, so every
+implementation that returns partial results (its :class:`~tpuattn.registry.PartialOps`) takes sinks
+without a change to its kernels. The backward reads the merged statistics, which hold the sink:
+
+* ``P`` of the keys comes from the merged ``(m, log l)``, so the sink is in its denominator;
+* ``delta = rowsum(P * dP)`` over the keys (the sink's ``dP`` is 0: it has no value);
+* ``dz_h = -sum over batch and rows of p_sink * delta``, with ``p_sink = exp(z_h - lse)``.
+
+This module imports only JAX and :mod:`tpuattn.softmax`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tpuattn import softmax
+
+
+def sink_partial(sinks, batch: int, q_len: int, head_dim: int) -> softmax.Partial:
+    """The sink as a :class:`~tpuattn.softmax.Partial`: no value, row max ``z_h``, row sum 1
+    (``sinks`` ``[heads]``; a head whose sink is ``-inf`` weighs nothing, as if it had none)."""
+    z = jnp.asarray(sinks, jnp.float32)
+    heads = z.shape[0]
+    m = jnp.broadcast_to(z[None, :, None], (batch, heads, q_len))
+    return softmax.Partial(jnp.zeros((batch, q_len, heads, head_dim), jnp.float32), m,
+                           jnp.zeros((batch, heads, q_len), jnp.float32))
+
+
+def sink_probability(sinks, part: softmax.Partial):
+    """``p_sink = exp(z_h - lse)`` ``[batch, heads, q_len]`` for merged statistics that include the
+    sink (0 where the sink is ``-inf``)."""
+    z = jnp.asarray(sinks, jnp.float32)[None, :, None]
+    seen = jnp.logical_and(part.m != -jnp.inf, z != -jnp.inf)
+    # exp((z - m) - log l): the two terms stay apart, as everywhere in the seam.
+    return jnp.where(seen, jnp.exp((z - jnp.where(seen, part.m, 0.0)) - part.log_l), 0.0)
+
+
+def attention(ops, q, k, v, segment_ids, spec, sinks, **options):
+    """Attention with ``sinks`` through an implementation's :class:`~tpuattn.registry.PartialOps`
+    (``ops``): differentiable in ``q``, ``k``, ``v`` and ``sinks``; an array of q's shape and dtype."""
+    config = (ops, spec, tuple(sorted(options.items())))
+    return _with_sinks(q, k, v, segment_ids, jnp.asarray(sinks, jnp.float32), config)
+
+
+def _forward(q, k, v, segment_ids, sinks, config):
+    ops, spec, options = config
+    b, t, h, d = q.shape
+    keys = ops.forward(q, k, v, segment_ids, spec, **dict(options))
+    merged = softmax.merge(keys, sink_partial(sinks, b, t, d))
+    return merged.out.astype(q.dtype), merged
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _with_sinks(q, k, v, segment_ids, sinks, config):
+    return _forward(q, k, v, segment_ids, sinks, config)[0]
+
+
+def _with_sinks_fwd(q, k, v, segment_ids, sinks, config):
+    out, merged = _forward(q, k, v, segment_ids, sinks, config)
+    return out, (q, k, v, segment_ids, sinks, merged.m, merged.log_l)
+
+
+def _with_sinks_bwd(config, residuals, d_out):
+    ops, spec, options = config
+    q, k, v, segment_ids, sinks, m, log_l = residuals
+    delta = ops.row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **dict(options))
+    dq, dk, dv = ops.backward(q, k, v, segment_ids, spec, m, log_l, d_out, delta, **dict(options))
+    p_sink = sink_probability(sinks, softmax.Partial(None, m, log_l))
+    d_sinks = -jnp.sum(p_sink * delta, axis=(0, 2))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks)
+
+
+_with_sinks.defvjp(_with_sinks_fwd, _with_sinks_bwd)
+
+__all__ = ["attention", "sink_partial", "sink_probability"]
