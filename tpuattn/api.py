@@ -32,10 +32,11 @@ for _name, (_module, _priority) in IMPLEMENTATION_MODULES.items():
 # The implementations :mod:`tpuattn.parallel` can run as its local kernel, ranked by ``partial_rank``.
 RETURNS_PARTIALS = Subset("returns partial results", lambda record: record.partial is not None,
                           rank="partial_rank")
-# The implementations that take ``sinks``: the sink is merged as one more partial result
-# (:mod:`tpuattn.sinks`), so the same ones, ranked the same way.
-TAKES_SINKS = Subset("takes sinks (it returns partial results, and the sink is merged as one more)",
-                     RETURNS_PARTIALS.accepts, rank="partial_rank")
+# The implementations that take ``sinks``: those whose function takes them itself (splash), and those
+# that return partial results, with which the sink is merged as one more (:mod:`tpuattn.sinks`);
+# ``"auto"`` ranks them as it does without sinks.
+TAKES_SINKS = Subset("takes sinks (itself, or by returning partial results the sink is merged with)",
+                     lambda record: record.takes_sinks or record.partial is not None)
 
 __all__ = ["RETURNS_PARTIALS", "TAKES_SINKS", "AttentionSpec", "Choice", "Implementation",
            "UnavailableImplementation", "UnsupportedInput", "attention", "choose", "choose_implementation",
@@ -114,8 +115,8 @@ def attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=Non
       softcap: replace each logit ``s`` by ``softcap * tanh(s / softcap)`` before masking.
       sinks: ``[num_q_heads]`` floats: one logit per query head in every row's softmax denominator
         that adds no value (attention sinks, :mod:`tpuattn.sinks`); differentiable. Taken by the
-        implementations that return partial results (``reference``, ``blockwise``, ``pallas``;
-        ``"auto"`` chooses among them), refused by the others.
+        implementations that return partial results (``reference``, ``blockwise``, ``pallas``) and
+        by ``splash`` (JAX's kernel has its own); ``"auto"`` chooses among them; ``xla`` refuses.
       impl: an implementation name from :func:`implementations`, or ``"auto"``
         (see :func:`choose`; the choice is logged at debug level on the ``tpuattn`` logger).
       **options: passed to the implementation (block sizes, for example).
@@ -129,4 +130,6 @@ def attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=Non
         return resolve(impl, spec).fn(q, k, v, segments, spec, **options)
     sinks = normalise_sinks(sinks, spec.num_q_heads)
     record = resolve(impl, spec, subset=TAKES_SINKS)
+    if record.takes_sinks:
+        return record.fn(q, k, v, segments, spec, sinks=sinks, **options)
     return attention_sinks.attention(record.partial, q, k, v, segments, spec, sinks, **options)

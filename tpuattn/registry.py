@@ -112,6 +112,8 @@ class Implementation:
       model: a :class:`ScheduleModel`: parameters of its schedule's model, read by
         :mod:`tpuattn.model.roofline` (what the compiler showed this implementation does).
       partial: the :class:`PartialOps` that attend one block of a larger problem, or ``None``.
+      takes_sinks: ``fn`` takes ``sinks=`` itself (float32 ``[num_q_heads]``, differentiable); an
+        implementation with ``partial`` takes them without it (:mod:`tpuattn.sinks` merges the sink).
       partial_rank: ``partial_rank(spec, backend) -> float or None``: the preference (lower wins) as
         the local kernel of :func:`tpuattn.parallel.attention` with ``impl="auto"``; ``None`` keeps it
         out of that automatic choice.
@@ -131,6 +133,7 @@ class Implementation:
     options: tuple[str, ...] = ()
     model: ScheduleModel = dataclasses.field(default_factory=ScheduleModel)
     partial: PartialOps | None = None
+    takes_sinks: bool = False
     partial_rank: Callable[[AttentionSpec, str], float | None] = _never_auto
     priority: int = DEFAULT_PRIORITY
 

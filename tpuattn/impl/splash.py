@@ -95,8 +95,11 @@ def _padding_segment(q_seg):
     return jnp.where(lo > jnp.iinfo(jnp.int32).min, lo - 1, hi + 1)
 
 
-def splash_attention(q, k, v, segment_ids, spec, **options):
-    """JAX's splash-attention kernel (forward and its custom backward) behind the contract."""
+def splash_attention(q, k, v, segment_ids, spec, *, sinks=None, **options):
+    """JAX's splash-attention kernel (forward and its custom backward) behind the contract.
+
+    ``sinks`` (float32 ``[num_q_heads]``, :mod:`tpuattn.sinks`) go to the kernel's own sinks, which
+    JAX's splash differentiates (its backward returns their gradient)."""
     known_options("splash", options, SPLASH_OPTIONS)
     block_q = positive_int("block_q", options.get("block_q", DEFAULT_SPLASH_BLOCK), multiple_of=SPLASH_LANES)
     block_kv = positive_int("block_kv", options.get("block_kv", DEFAULT_SPLASH_BLOCK),
@@ -140,15 +143,17 @@ def splash_attention(q, k, v, segment_ids, spec, **options):
 
     kernel = _splash_kernel(q_pad, kv_pad, spec.num_q_heads, mqa, _positional(spec), block_q, block_kv,
                             spec.softcap, interpret)
-    # Always pass the sink: besides the contract's empty rows, padded query rows may see nothing,
-    # and without it their NaN output (0/0) would leak into dk and dv through the backward pass.
-    sinks = jnp.full((spec.num_q_heads,), _EMPTY_ROW_SINK, jnp.float32)
+    # Always pass a sink: besides the contract's empty rows, padded query rows may see nothing,
+    # and without it their NaN output (0/0) would leak into dk and dv through the backward pass. The
+    # caller's sinks take its place (a sink of -inf, "none", stays at the harmless -1e30).
+    floor = jnp.full((spec.num_q_heads,), _EMPTY_ROW_SINK, jnp.float32)
+    sinks = floor if sinks is None else jnp.maximum(jnp.asarray(sinks, jnp.float32), floor)
 
-    def batched(q, k, v, segments):
+    def batched(q, k, v, segments, sinks):
         one_batch = lambda q, k, v, segments: kernel(q, k, v, segment_ids=segments, sinks=sinks)
         return jax.vmap(one_batch)(q, k, v, segments)  # [batch, heads, q_pad, dim]
 
-    out = _guarded(batched)(q, k, v, segments)
+    out = _guarded(batched)(q, k, v, segments, sinks)
     return jnp.swapaxes(out[:, :, :q_len], 1, 2).astype(spec.dtype)
 
 
@@ -168,27 +173,27 @@ def _guarded(fn):
     backward (a second derivative) raises a clear error instead of splash's bare ``NotImplementedError``.
     """
 
-    def run(q, k, v, segments):
+    def run(q, k, v, segments, sinks):
         axes = varying_axes(q, k, v)
         with x64(False), vma_checks_off():
-            out = fn(*_invariant(axes, q, k, v), segments)
+            out = fn(*_invariant(axes, q, k, v), segments, sinks)
         return mark_varying(out, axes)
 
     @jax.custom_vjp
-    def call(q, k, v, segments):
-        return run(q, k, v, segments)
+    def call(q, k, v, segments, sinks):
+        return run(q, k, v, segments, sinks)
 
-    def call_fwd(q, k, v, segments):
+    def call_fwd(q, k, v, segments, sinks):
         axes = varying_axes(q, k, v)
         with x64(False), vma_checks_off():
-            out, vjp = _first_order_vjp(fn, *_invariant(axes, q, k, v), segments)
+            out, vjp = _first_order_vjp(fn, *_invariant(axes, q, k, v), segments, sinks)
         return mark_varying(out, axes), vjp
 
     def call_bwd(vjp, d_out):
         axes = varying_axes(d_out)
         with x64(False), vma_checks_off():
-            grads = _first_order(vjp, *_invariant(axes, d_out))
-        return (*(mark_varying(g, axes) for g in grads), None)
+            dq, dk, dv, d_sinks = _first_order(vjp, *_invariant(axes, d_out))
+        return (*(mark_varying(g, axes) for g in (dq, dk, dv)), None, d_sinks)
 
     call.defvjp(call_fwd, call_bwd)
     return call
@@ -200,9 +205,11 @@ def _invariant(axes, *arrays):
     return tuple(x + jnp.zeros((), x.dtype) for x in arrays) if axes else arrays
 
 
-def _first_order_vjp(fn, q, k, v, segments):
-    return first_order_only(lambda q, k, v, segments: jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v),
-                            SECOND_DERIVATIVE)(q, k, v, segments)
+def _first_order_vjp(fn, q, k, v, segments, sinks):
+    return first_order_only(
+        lambda q, k, v, segments, sinks: jax.vjp(lambda q, k, v, sinks: fn(q, k, v, segments, sinks),
+                                                 q, k, v, sinks),
+        SECOND_DERIVATIVE)(q, k, v, segments, sinks)
 
 
 def _first_order(vjp, d_out):
@@ -278,7 +285,7 @@ def splash_auto_rank(spec, backend: str) -> float | None:
     return 0.0 if long_enough_for_flash(spec) else 1.0
 
 
-register("splash", splash_attention, supports=splash_supports, available=_splash_available,
+register("splash", splash_attention, supports=splash_supports, available=_splash_available, takes_sinks=True,
          auto_rank=splash_auto_rank, interpreted_off_tpu=True, schedule="flash",
          default_blocks=default_blocks, options=SPLASH_OPTIONS,
          # The adapter transposes Q, K, V to [batch, heads, seq, head_dim] (and O back); the kernel
