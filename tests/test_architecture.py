@@ -160,7 +160,7 @@ LAYERS = [
     ("tpuattn.api",),
     # Beyond one call on one chip: many chips (sharded and ring attention) and decode over a KV cache.
     # Both build on the contract and the kernels below and are measured and modelled by the layers above.
-    ("tpuattn.parallel", "tpuattn.decode"),
+    ("tpuattn.parallel", "tpuattn.decode", "tpuattn.flax"),
     ("tpuattn.measure",),
     ("tpuattn.model",),
     ("tpuattn.viz", "tpuattn.exercises"),
