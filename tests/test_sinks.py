@@ -157,3 +157,52 @@ def test_decode_implementations_that_cannot_take_sinks_refuse_them(impl):
     cache = jnp.zeros((1, 16, 2, 128), jnp.float32)
     with pytest.raises((UnsupportedInput, UnavailableImplementation), match="sinks|not available"):
         tpuattn.decode.attention(q, cache, cache, jnp.array([3]), sinks=jnp.zeros(2), impl=impl)
+
+
+# tpuattn.parallel with sinks on 8 CPU devices (tests/conftest.py): the sinks sharded with the heads,
+# the sequence by ring (the sink starts every row's running state) or all-gather (attended locally).
+# (name, mesh axes, call keywords, mask keywords, sinks)
+PARALLEL_CASES = {
+    "ring-zigzag-causal-gqa": ((("s", 4),), dict(seq_axis="s", layout="zigzag"), dict(causal=True),
+                               [3.0, -1.0, 0.5, -np.inf]),
+    "heads-x-ring-window": ((("h", 2), ("s", 4)), dict(seq_axis="s", head_axis="h"),
+                            dict(causal=True, window=(6, 0)), [1.0, -2.0, 0.0, 2.5]),
+    "batch-x-allgather": ((("b", 2), ("s", 4)), dict(seq_axis="s", batch_axis="b", strategy="allgather"),
+                          dict(causal=True), [2.0, -0.5, 1.0, 0.0]),
+    "batch-and-heads-only": ((("b", 2), ("h", 2)), dict(batch_axis="b", head_axis="h"), dict(causal=True),
+                             [0.5, 1.5, -1.0, 3.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARALLEL_CASES))
+def test_parallel_with_sinks_matches_the_oracle(case):
+    from jax.sharding import Mesh
+
+    from tpuattn import parallel
+
+    axes, call, kw, sinks = PARALLEL_CASES[case]
+    size = int(np.prod([n for _, n in axes]))
+    if len(jax.devices()) < size:  # pragma: no cover - conftest sets the flag
+        pytest.skip(f"needs {size} CPU devices")
+    mesh = Mesh(np.array(jax.devices()[:size]).reshape([n for _, n in axes]), [a for a, _ in axes])
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, 32, 32, batch=2, q_heads=4, kv_heads=2, head_dim=8)
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    sinks = np.array(sinks, np.float32)
+    n = dict(axes)["s"] if "s" in dict(axes) else 1
+    zig = call.get("layout") == "zigzag"
+    to = (lambda x: parallel.to_zigzag(x, n)) if zig else (lambda x: x)
+    back = (lambda x: parallel.from_zigzag(np.asarray(x), n)) if zig else np.asarray
+
+    def both(q, k, v, z, d_out):
+        f = lambda q, k, v, z: parallel.attention(q, k, v, mesh=mesh, sinks=z, **call, **kw)
+        out, vjp = jax.vjp(f, q, k, v, z)
+        return out, vjp(d_out)
+
+    out, grads = jax.jit(both)(to(q), to(k), to(v), jnp.asarray(sinks), to(d_out))
+    np.testing.assert_allclose(back(out), oracle_attention(q, k, v, sinks=sinks, **kw), atol=FORWARD_TOL,
+                               rtol=FORWARD_TOL, err_msg="forward")
+    want = oracle_grads(q, k, v, d_out, sinks=sinks, **kw)
+    assert_grads_close([back(g) for g in grads[:3]], want[:3], tol=GRAD_TOL, finite=True)
+    np.testing.assert_allclose(np.asarray(grads[3], np.float64), want[3], atol=GRAD_TOL, rtol=GRAD_TOL,
+                               err_msg="dsinks")

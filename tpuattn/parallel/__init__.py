@@ -2,7 +2,7 @@
 
     tpuattn.parallel.attention(q, k, v, *, mesh, seq_axis=None, head_axis=None, batch_axis=None,
                                strategy="ring", layout="natural", impl="auto", causal=False,
-                               scale=None, segment_ids=None, window=None, softcap=None)
+                               scale=None, segment_ids=None, window=None, softcap=None, sinks=None)
 
 * ``batch_axis`` / ``head_axis`` name mesh axes that shard the batch and the heads: no
   communication at all (kv heads split with their query groups, so GQA needs ``num_kv_heads``
@@ -15,6 +15,9 @@
 * ``impl``: the local kernel, any implementation with :class:`~tpuattn.registry.PartialOps`
   (:func:`local_implementations`); ``"auto"`` is :func:`tpuattn.api.choose` among those, ranked by
   their ``partial_rank`` (the Pallas kernel on a TPU, the blockwise XLA loop elsewhere).
+* ``sinks``: one logit per query head (:mod:`tpuattn.sinks`), sharded with the heads; the ring starts
+  every row's running state from the sink's partial result, the other strategies attend with it
+  locally (each device holds whole rows); its gradient is summed over the devices.
 
 Results equal the single-device call on the global arrays up to float error, forward and
 gradients, under ``jax.jit``.
@@ -22,15 +25,19 @@ gradients, under ``jax.jit``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tpuattn import api, chips
+from tpuattn import sinks as attention_sinks
 from tpuattn.parallel.layout import from_zigzag, to_zigzag, zigzag_order
 from tpuattn.parallel.plan import LAYOUTS, RingPlan, allgather_plan, chunks_per_device, ring_plan
 from tpuattn.parallel.ring import allgather_local, ring_local, work_per_step
-from tpuattn.spec import block_spec, make_spec
+from tpuattn.sharding import mark_varying, varying_axes
+from tpuattn.spec import block_spec, make_spec, normalise_sinks
 
 STRATEGIES = ("ring", "allgather")
 
@@ -70,7 +77,7 @@ def _local_impl(impl: str, spec, backend: str):
 
 def attention(q, k, v, *, mesh, seq_axis=None, head_axis=None, batch_axis=None, strategy="ring",
               layout="natural", impl="auto", causal=False, scale=None, segment_ids=None, window=None,
-              softcap=None, **options):
+              softcap=None, sinks=None, **options):
     """Attention of the global arrays ``q [B, Tq, H, D]``, ``k, v [B, Tk, Hk, D]`` sharded over
     ``mesh`` (see the module docstring). ``options`` go to the local kernel (e.g. ``block_q``).
 
@@ -86,6 +93,7 @@ def attention(q, k, v, *, mesh, seq_axis=None, head_axis=None, batch_axis=None, 
         raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
     q, k, v, segs, spec = make_spec(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids,
                                     window=window, softcap=softcap)
+    sinks = normalise_sinks(sinks, spec.num_q_heads)
     used: list = []
     nb = _axis(mesh, "batch_axis", batch_axis, used)
     nh = _axis(mesh, "head_axis", head_axis, used)
@@ -104,23 +112,35 @@ def attention(q, k, v, *, mesh, seq_axis=None, head_axis=None, batch_axis=None, 
 
     backend = chips.target_backend()
     record = _local_impl(impl, spec, backend)
+    # Every local kernel returns partial results, so each takes sinks (tpuattn.sinks) as the contract does.
+    attend = record.fn if sinks is None else functools.partial(attention_sinks.attention, record.partial)
     shares = dict(batch=spec.batch // nb, num_q_heads=spec.num_q_heads // nh,
                   num_kv_heads=spec.num_kv_heads // nh)
     if seq_axis is None:
         local_spec = block_spec(spec, q_start=0, q_len=spec.q_len, kv_start=0, kv_len=spec.kv_len, **shares)
 
-        def local(q, k, v, q_seg, kv_seg):
+        def local(q, k, v, q_seg, kv_seg, *extra):
             segs = None if q_seg is None else (q_seg, kv_seg)
-            return record.fn(q, k, v, segs, local_spec, **options)
+            return attend(q, k, v, segs, local_spec, *extra, **options)
     elif strategy == "ring":
         local = ring_local(spec, ns, layout, seq_axis, record.partial, options, shares)
     else:
-        local = allgather_local(spec, ns, layout, seq_axis, record.fn, options, shares)
+        local = allgather_local(spec, ns, layout, seq_axis, attend, options, shares)
 
     x_spec = P(batch_axis, seq_axis, head_axis, None)
     seg_spec = P(batch_axis, seq_axis)
     q_seg, kv_seg = segs if segs is not None else (None, None)
     seg_specs = (seg_spec, seg_spec) if segs is not None else (None, None)
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, *seg_specs),
-                           out_specs=x_spec)
-    return mapped(q, k, v, q_seg, kv_seg)
+    if sinks is None:
+        mapped = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, *seg_specs),
+                               out_specs=x_spec)
+        return mapped(q, k, v, q_seg, kv_seg)
+
+    def local_with_sinks(q, k, v, q_seg, kv_seg, z):
+        # Typed varying like q (over the batch and sequence axes too), so that the sinks' gradient,
+        # one per device, is summed over the devices by shard_map's transpose.
+        return local(q, k, v, q_seg, kv_seg, mark_varying(z, varying_axes(q)))
+
+    mapped = jax.shard_map(local_with_sinks, mesh=mesh,
+                           in_specs=(x_spec, x_spec, x_spec, *seg_specs, P(head_axis)), out_specs=x_spec)
+    return mapped(q, k, v, q_seg, kv_seg, sinks)

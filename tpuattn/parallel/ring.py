@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tpuattn import sinks as attention_sinks
 from tpuattn import softmax
 from tpuattn.parallel.layout import from_zigzag
 from tpuattn.parallel.plan import RingPlan, allgather_plan, ring_plan
@@ -47,6 +48,16 @@ def _empty_like(q):
     b, t, h, d = q.shape
     axes = varying_axes(q)
     return softmax.Partial(*(mark_varying(x, axes) for x in softmax.empty(b, t, h, d)))
+
+
+def _start(q, sinks):
+    """A row's state before its first key: empty, or with ``sinks`` the sink's partial result (one more
+    part of the softmax, merged first instead of last: the merge does not depend on order)."""
+    if sinks is None:
+        return _empty_like(q)
+    b, t, _, d = q.shape
+    axes = varying_axes(q)
+    return softmax.Partial(*(mark_varying(x, axes) for x in attention_sinks.sink_partial(sinks, b, t, d)))
 
 
 # --------------------------------------------------------------------------- the static configuration
@@ -122,11 +133,11 @@ def _ring_loop(cfg: _Ring, step, carry, held, after=None):
 
 
 # --------------------------------------------------------------------------- ring: forward
-def _ring_forward(cfg: _Ring, q, k, v, q_seg, kv_seg):
+def _ring_forward(cfg: _Ring, q, k, v, q_seg, kv_seg, sinks):
     plan, ops, c = cfg.plan, cfg.ops, cfg.plan.chunks
     table = jnp.asarray(plan.branch)[lax.axis_index(cfg.axis)]  # [n, c, c] for this device
     qs, q_segs = _split(q, c, 1), (_split(q_seg, c, 1) if cfg.has_segments else [None] * c)
-    states = [_empty_like(x) for x in qs]
+    states = [_start(x, sinks) for x in qs]
 
     # Each branch merges its block into the running state itself: a conditional's result is the new
     # state, so the old one dies there (merged outside, XLA may fuse the merges of all unrolled
@@ -154,7 +165,7 @@ def _ring_forward(cfg: _Ring, q, k, v, q_seg, kv_seg):
 
 # --------------------------------------------------------------------------- ring: backward
 def _ring_backward(cfg: _Ring, residuals, d_out):
-    q, k, v, q_seg, kv_seg, m, log_l = residuals
+    q, k, v, q_seg, kv_seg, sinks, m, log_l = residuals
     plan, ops, c, n = cfg.plan, cfg.ops, cfg.plan.chunks, cfg.plan.n
     table = jnp.asarray(plan.branch)[lax.axis_index(cfg.axis)]
     qs, dos = _split(q, c, 1), _split(d_out, c, 1)
@@ -186,6 +197,11 @@ def _ring_backward(cfg: _Ring, residuals, d_out):
         return deltas
 
     deltas = _ring_loop(cfg, delta_step, [zeros(x.shape) for x in ms], (k, v, kv_seg))
+    # The sinks' gradient (tpuattn.sinks): -sum p_sink * delta over this device's rows (and batch);
+    # shard_map's transpose sums it over the devices the sinks were marked varying across.
+    d_sinks = None if sinks is None else -sum(
+        jnp.sum(attention_sinks.sink_probability(sinks, softmax.Partial(None, m_, l_)) * d, axis=(0, 2))
+        for m_, l_, d in zip(ms, logs, deltas, strict=True))
 
     # Ring 2: dQ stays home; dK/dV travel with their K/V and are sent home after the last step.
     def grads(spec):
@@ -217,23 +233,23 @@ def _ring_backward(cfg: _Ring, residuals, d_out):
                                        (k, v, kv_seg), after=send_on)
     if (plan.steps - 1) % n:
         dk_acc, dv_acc = _ppermute((dk_acc, dv_acc), cfg.axis, n, -(plan.steps - 1))
-    return (_join(dqs, 1).astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype))
+    return (_join(dqs, 1).astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype), d_sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg, q, k, v, q_seg, kv_seg):
-    return _ring_forward(cfg, q, k, v, q_seg, kv_seg)[0].astype(q.dtype)
+def _ring(cfg, q, k, v, q_seg, kv_seg, sinks):
+    return _ring_forward(cfg, q, k, v, q_seg, kv_seg, sinks)[0].astype(q.dtype)
 
 
-def _ring_fwd(cfg, q, k, v, q_seg, kv_seg):
-    out, m, log_l = _ring_forward(cfg, q, k, v, q_seg, kv_seg)
+def _ring_fwd(cfg, q, k, v, q_seg, kv_seg, sinks):
+    out, m, log_l = _ring_forward(cfg, q, k, v, q_seg, kv_seg, sinks)
     # Residuals: the local shards and two floats per query row; no output, no scores.
-    return out.astype(q.dtype), (q, k, v, q_seg, kv_seg, m, log_l)
+    return out.astype(q.dtype), (q, k, v, q_seg, kv_seg, sinks, m, log_l)
 
 
 def _ring_bwd(cfg, residuals, d_out):
-    dq, dk, dv = _ring_backward(cfg, residuals, d_out)
-    return dq, dk, dv, None, None
+    dq, dk, dv, d_sinks = _ring_backward(cfg, residuals, d_out)
+    return dq, dk, dv, None, None, d_sinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -242,19 +258,22 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # --------------------------------------------------------------------------- the local programs
 def ring_local(spec: AttentionSpec, n: int, layout: str, axis: str, ops: PartialOps, options: dict,
                shares: dict):
-    """The per-device function of the ring strategy (``q, k, v, q_seg, kv_seg -> out``)."""
+    """The per-device function of the ring strategy (``q, k, v, q_seg, kv_seg, sinks=None -> out``;
+    ``sinks``, if given, typed varying like ``q``)."""
     cfg = _Ring(plan=ring_plan(spec, n, layout, **shares), ops=ops, axis=axis,
                 options=tuple(sorted(options.items())), has_segments=spec.has_segments)
-    return lambda q, k, v, q_seg, kv_seg: _ring(cfg, q, k, v, q_seg, kv_seg)
+    return lambda q, k, v, q_seg, kv_seg, sinks=None: _ring(cfg, q, k, v, q_seg, kv_seg, sinks)
 
 
 def allgather_local(spec: AttentionSpec, n: int, layout: str, axis: str, fn, options: dict, shares: dict):
     """The per-device function of the all-gather strategy: gather K/V (natural order), then attend
-    each local query chunk with its block spec (one ``lax.switch`` branch per distinct spec)."""
+    each local query chunk with its block spec (one ``lax.switch`` branch per distinct spec).
+    ``local(q, k, v, q_seg, kv_seg, *extra)`` calls ``fn(q, k, v, segs, spec, *extra, **options)``
+    (``extra``: the sinks, when given)."""
     specs, table = allgather_plan(spec, n, layout, **shares)
     c = table.shape[1]
 
-    def local(q, k, v, q_seg, kv_seg):
+    def local(q, k, v, q_seg, kv_seg, *extra):
         gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)
         k_all, v_all = gather(k), gather(v)
         kv_all = gather(kv_seg) if kv_seg is not None else None
@@ -264,7 +283,8 @@ def allgather_local(spec: AttentionSpec, n: int, layout: str, axis: str, fn, opt
         row = jnp.asarray(table)[lax.axis_index(axis)]
         qs = _split(q, c, 1)
         q_segs = _split(q_seg, c, 1) if q_seg is not None else [None] * c
-        branches = [functools.partial(lambda q, segs, spec: fn(q, k_all, v_all, segs, spec, **options),
+        branches = [functools.partial(lambda q, segs, spec: fn(q, k_all, v_all, segs, spec, *extra,
+                                                                          **options),
                                       spec=spec) for spec in specs]
         outs = [lax.switch(row[i], branches, qs[i], _segs(q_segs[i], kv_all)) for i in range(c)]
         return _join(outs, 1)
