@@ -27,7 +27,9 @@ class Puzzle:
     -> the float64 answer (an array or a tuple of arrays), written apart from ``tpuattn``;
     ``compile_inputs()`` -> arrays or ``ShapeDtypeStruct`` s for the chip compile if ``inputs()`` is not
     tile-legal; ``kind`` is ``"write"`` or ``"bug"`` (the stub is a broken kernel to fix);
-    ``detect_races`` runs the interpreter's race detector (slow: keep such a puzzle's shapes small).
+    ``detect_races`` runs the interpreter's race detector (slow: keep such a puzzle's shapes small);
+    ``audit(answer)`` -> ``None`` or a sentence: a rule the output values cannot show (e.g. which blocks
+    an index map fetches), checked after the values match.
     """
 
     name: str
@@ -39,6 +41,7 @@ class Puzzle:
     compile_inputs: Callable | None = None
     kind: str = "write"
     detect_races: bool = False
+    audit: Callable | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -142,6 +145,10 @@ def _run(puzzle: Puzzle, answer) -> tuple[bool | None, str]:
     mismatch = compare(got, expected, puzzle.rtol, puzzle.atol)
     if mismatch is not None:
         return False, mismatch
+    if puzzle.audit is not None:
+        finding = puzzle.audit(answer)
+        if finding is not None:
+            return False, f"the values match, but {finding}"
     return True, ""
 
 
