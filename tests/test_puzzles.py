@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import warnings
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -48,7 +53,8 @@ def test_check_reports_stub_mismatch_and_pass(capsys):
     assert "mismatch at index (0, 0): got 1, expected 0" in out and out.count("\n") == 1
     assert core.check(puzzle, _copy) is True
     assert capsys.readouterr().out.startswith(f"PASS {puzzle.name}")
-    assert core.RESULTS[-3:] == [(puzzle.name, False), (puzzle.name, False), (puzzle.name, True)]
+    assert [(name, verdict) for name, verdict, _ in core.RESULTS[-3:]] == [
+        (puzzle.name, False), (puzzle.name, False), (puzzle.name, True)]
 
 
 def test_check_reports_the_compilers_refusal(capsys):
@@ -81,3 +87,102 @@ def test_registry_and_bad_fields_refused():
     with pytest.raises(ValueError, match="kind: expected one of"):
         core.Puzzle("x", None, None, None, 0, 0, kind="other")
     del core.REGISTRY[puzzle.name]
+
+
+def test_audit_runs_after_the_values_match(capsys):
+    calls = []
+
+    def audit(answer):
+        calls.append(answer)
+        return "the rule is broken"
+
+    base = _copy_puzzle(block=(8, 128))
+    puzzle = core.Puzzle(base.name, base.build, base.inputs, base.oracle, 0, 0, audit=audit)
+    assert core.check(puzzle, _off_by_one) is False and calls == []  # values first
+    assert core.check(puzzle, _copy) is False and calls == [_copy]
+    assert "the values match, but the rule is broken" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every puzzle notebook: each stub's check fails, each solution's check passes (interpret mode against
+# the oracle, and the compile for the chip).
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+PUZZLE_NOTEBOOKS = sorted(NOTEBOOKS.glob("[0-9][0-9]_puzzles*.py"))
+_HEADER = re.compile(r"^# %%(?P<rest>.*)$")
+
+
+def notebook_cells(path: Path) -> list[dict]:
+    """The code cells of a jupytext percent notebook: ``{"source", "tags", "line"}`` in order."""
+    cells, current = [], None
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        header = _HEADER.match(line)
+        if header:
+            rest = header.group("rest")
+            tags = re.search(r"tags=\[([^\]]*)\]", rest)
+            current = {"source": [], "line": number, "markdown": "[markdown]" in rest,
+                       "tags": re.findall(r'"([^"]+)"', tags.group(1)) if tags else []}
+            cells.append(current)
+        elif current is not None:
+            current["source"].append(line)
+    return [dict(c, source="\n".join(c["source"])) for c in cells if not c["markdown"]]
+
+
+def test_notebook_cells_are_read_with_their_tags(tmp_path):
+    path = tmp_path / "99_puzzles_x.py"
+    path.write_text('# header\n# %% [markdown]\n# text\n\n# %% tags=["puzzle"]\nx = 1\n\n# %%\ny = 2\n'
+                    '# %% tags=["solution", "hide-cell"]\nx = 3\n')
+    cells = notebook_cells(path)
+    assert [(c["tags"], c["source"].strip()) for c in cells] == [
+        (["puzzle"], "x = 1"), ([], "y = 2"), (["solution", "hide-cell"], "x = 3")]
+
+
+def test_there_are_puzzle_notebooks():
+    assert any(p.name.startswith("08_puzzles") for p in PUZZLE_NOTEBOOKS), PUZZLE_NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", PUZZLE_NOTEBOOKS, ids=lambda p: p.stem)
+def test_stubs_fail_and_solutions_pass(path, monkeypatch, capsys):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.chdir(NOTEBOOKS)  # as ci/notebooks.py runs them: ../figures is the figures folder
+    compiles = importlib.util.find_spec("libtpu") is not None
+    namespace = {"__name__": f"notebook_{path.stem}"}
+    stub = None  # the open puzzle: {"line", "results"}
+    solved = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*non-interactive.*")  # plt.show() under Agg
+        for cell in notebook_cells(path):
+            before = len(core.RESULTS)
+            exec(compile(cell["source"], f"{path.name}:{cell['line']}", "exec"), namespace)  # noqa: S102
+            plt.close("all")
+            results = core.RESULTS[before:]
+            where = f"{path.name} cell at line {cell['line']}"
+            if "puzzle" in cell["tags"]:
+                assert stub is None, f"{where}: a puzzle cell before the last one's solution"
+                stub = {"line": cell["line"], "results": list(results)}
+            elif "solution" in cell["tags"]:
+                assert stub is not None, f"{where}: a solution cell without a puzzle cell before it"
+                assert stub["results"], f"{where}: the stub at line {stub['line']} was never checked"
+                assert all(verdict is False for _, verdict, _ in stub["results"]), (where, stub["results"])
+                assert results, f"{where}: the solution cell does not call check"
+                for name, verdict, message in results:
+                    assert verdict is True, (where, message)
+                    assert message.startswith(f"PASS {name}"), (where, message)
+                    if compiles:
+                        assert "compiled for" in message, (where, message)
+                assert {r[0] for r in results} == {r[0] for r in stub["results"]}, (where, results)
+                solved.extend(name for name, _, _ in results)
+                stub = None
+            elif stub is not None:
+                stub["results"].extend(results)
+    assert stub is None, f"{path.name}: the puzzle at line {stub['line']} has no solution cell"
+    assert solved, f"{path.name} has no puzzles"
+    if path.stem == "08_puzzles_forward":
+        from tpuattn.puzzles import forward
+
+        assert {p.name for p in forward.PUZZLES} <= set(solved)
+    capsys.readouterr()

@@ -5,6 +5,6 @@
 :data:`REGISTRY` when imported.
 """
 
-from tpuattn.puzzles.core import REGISTRY, RESULTS, Puzzle, check, compare, get, register
+from tpuattn.puzzles.core import REGISTRY, RESULTS, Puzzle, check, compare, draw_grid, get, register
 
-__all__ = ["REGISTRY", "RESULTS", "Puzzle", "check", "compare", "get", "register"]
+__all__ = ["REGISTRY", "RESULTS", "Puzzle", "check", "compare", "draw_grid", "get", "register"]

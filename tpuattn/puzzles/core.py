@@ -53,8 +53,8 @@ class Puzzle:
 
 REGISTRY: dict[str, Puzzle] = {}
 
-# Every check's verdict, in order: (puzzle name, True / False / None). Tests read it.
-RESULTS: list[tuple[str, bool | None]] = []
+# Every check's verdict, in order: (puzzle name, True / False / None, the line it printed). Tests read it.
+RESULTS: list[tuple[str, bool | None, str]] = []
 
 
 def register(puzzle: Puzzle) -> Puzzle:
@@ -189,5 +189,29 @@ def check(puzzle: str | Puzzle, answer, *, chip: str = "v5e") -> bool | None:
         prefix = "" if message == "not written yet" else "FAIL "
         message = f"{prefix}{puzzle.name}: {message}"
     print(message)
-    RESULTS.append((puzzle.name, verdict))
+    RESULTS.append((puzzle.name, verdict, message))
     return verdict
+
+
+def draw_grid(ax, n_rows: int, n_cols: int, *, labels=None, colours=None, title: str = "",
+              xlabel: str = "", ylabel: str = "", default_colour: str = "#ffffff") -> None:
+    """Draw an ``n_rows x n_cols`` grid of blocks on ``ax`` (row 0 at the top): ``labels[(r, c)]`` is a
+    block's text, ``colours[(r, c)]`` its fill. The puzzles' pictures of the blocks a kernel touches."""
+    from matplotlib.patches import Rectangle
+
+    labels, colours = labels or {}, colours or {}
+    for r in range(n_rows):
+        for c in range(n_cols):
+            ax.add_patch(Rectangle((c, r), 1, 1, facecolor=colours.get((r, c), default_colour),
+                                   edgecolor="#333333", linewidth=1))
+            if (r, c) in labels:
+                ax.text(c + 0.5, r + 0.5, str(labels[(r, c)]), ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, n_cols)
+    ax.set_ylim(n_rows, 0)
+    ax.set_aspect("equal")
+    ax.set_xticks([c + 0.5 for c in range(n_cols)], [str(c) for c in range(n_cols)])
+    ax.set_yticks([r + 0.5 for r in range(n_rows)], [str(r) for r in range(n_rows)])
+    ax.tick_params(length=0, labelsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
