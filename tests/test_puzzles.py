@@ -186,3 +186,13 @@ def test_stubs_fail_and_solutions_pass(path, monkeypatch, capsys):
 
         assert {p.name for p in forward.PUZZLES} <= set(solved)
     capsys.readouterr()
+
+
+def test_race_summary_reads_the_detectors_report():
+    report = ("RACE DETECTED\n  write of ('vmem', 103, 0, 0)[(0, slice(0, 8, 1))] from 101, 0, "
+              "/tmp/ipykernel_1/2009.py:9:4 (double_kernel)\n  clock: [5 7]\n"
+              "  read of ('vmem', 103, 0, 0)[(0, slice(0, 8, 1))] from 0, 0, /tmp/ipykernel_1/2009.py:10:35 "
+              "(double_kernel)\n  clock: [2 0]\n")
+    assert core.race_summary(report) == (
+        ": a write (double_kernel line 9) and a read (double_kernel line 10) of one buffer")
+    assert core.race_summary("something else") == ""

@@ -9,7 +9,10 @@ a TPU), and prints one line: ``PASS ...``, the first mismatch, or the compiler's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -108,6 +111,24 @@ def compare(got, expected, rtol: float, atol: float) -> str | None:
     return None
 
 
+_ACCESS = re.compile(r"^\s*(read|write) of .* \S+:(\d+):\d+ \(([^)]*)\)\s*$")
+
+
+def race_summary(report: str) -> str:
+    """``": a write (kernel line 9) and a read (kernel line 10) of one buffer"``: the first race of the
+    detector's printed report, by access kind, function and line (the file, a notebook cell's
+    temporary name, is left out); empty if the report cannot be read."""
+    accesses = []
+    for line in report.splitlines():
+        match = _ACCESS.match(line)
+        if match:
+            kind, number, function = match.groups()
+            accesses.append(f"a {kind} ({function} line {number})")
+        if len(accesses) == 2:
+            return f": {accesses[0]} and {accesses[1]} of one buffer"
+    return ""
+
+
 def interpret_mode(puzzle: Puzzle):
     """What ``pallas_call(interpret=...)`` gets for the CPU run: ``True``, or the TPU simulator with its
     race detector for a puzzle that asks for it."""
@@ -130,18 +151,21 @@ def _run(puzzle: Puzzle, answer) -> tuple[bool | None, str]:
         return None, "cannot be checked here: this JAX has no pltpu.InterpretParams (its race detector)"
     inputs = tuple(puzzle.inputs())
     expected = puzzle.oracle(*inputs)
+    report = io.StringIO()
     try:
         fn = puzzle.build(answer, interpret=mode)
         if puzzle.detect_races:
             compat.reset_races()
-        got = jax.block_until_ready(fn(*inputs))
+        # The race detector prints its report (with the kernel's file names): kept, and summarised.
+        with contextlib.redirect_stdout(report) if puzzle.detect_races else contextlib.nullcontext():
+            got = jax.block_until_ready(fn(*inputs))
     except NotImplementedError:
         return False, "not written yet"
     except Exception as error:  # noqa: BLE001 - the learner's code may raise anything: report it
         return False, f"error in interpret mode: {_trim(error)}"
     if puzzle.detect_races and compat.races_found():
         return False, ("race detected by the interpreter's race detector "
-                       "(pltpu.InterpretParams(detect_races=True))")
+                       f"(pltpu.InterpretParams(detect_races=True)){race_summary(report.getvalue())}")
     mismatch = compare(got, expected, puzzle.rtol, puzzle.atol)
     if mismatch is not None:
         return False, mismatch
