@@ -137,7 +137,7 @@ draw_grid(axes[0], 2, 4, labels={(i, j): f"({i},{j})" for i in range(2) for j in
           colours={(1, 2): FETCH}, title="x and out: (8, 128) blocks", xlabel="j", ylabel="i")
 draw_grid(axes[1], 1, 4, labels={(0, j): f"(0,{j})" for j in range(4)}, colours={(0, 2): FETCH},
           title="bias: (1, 128) blocks", xlabel="j")
-fig.suptitle("grid step (1, 2) reads the shaded blocks", fontsize=9)
+fig.suptitle("grid step (1, 2) reads the shaded blocks", fontsize=9, y=1.06)
 plt.show()
 
 
@@ -181,7 +181,8 @@ draw_grid(axes[1], 2, 2, colours={(0, 1): FETCH, (1, 1): FETCH}, labels={(0, 1):
           title="y: blocks (k, j)", xlabel="j", ylabel="k")
 draw_grid(axes[2], 2, 2, colours={(0, 1): FETCH}, labels={(0, 1): "acc"}, title="o: block (i, j)",
           xlabel="j", ylabel="i")
-fig.suptitle("output block (0, 1): two grid steps, k = 0 and k = 1, add into one accumulator", fontsize=9)
+fig.suptitle("output block (0, 1): two grid steps, k = 0 and k = 1, add into one accumulator",
+             fontsize=9, y=1.06)
 plt.show()
 
 
@@ -409,13 +410,13 @@ passed = check(puzzles.SCHEDULE, schedule_index_map, chip=CHIP)
 # `kv_spec` serves both K and V). `None` in a block shape squeezes that dimension out of the ref.
 
 # %%
-fig, axes = picture(2, width=3.6)
-draw_grid(axes[0], 4, 2, labels={(h, i): f"h{h // 2}·g{h % 2}·i{i}" for h in range(4) for i in range(2)},
-          colours={(0, 1): FETCH, (1, 1): FETCH}, title="q rows by (kv head, group, query block)",
+fig, axes = picture(2, width=3.6, height=3)
+draw_grid(axes[0], 4, 2, labels={(h, i): f"g{h % 2}, i{i}" for h in range(4) for i in range(2)},
+          colours={(0, 1): FETCH, (1, 1): FETCH}, title="q: (group member g, query block i)",
           xlabel="query block i", ylabel="query head")
 draw_grid(axes[1], 2, 1, labels={(0, 0): "K/V head 0", (1, 0): "K/V head 1"}, colours={(0, 0): FETCH},
           title="k, v: one block per kv head", ylabel="kv head")
-fig.suptitle("grid step (h=0, i=1): both query heads of group 0, one K/V fetch", fontsize=9)
+fig.suptitle("grid step (h=0, i=1): both query heads of group 0, one K/V fetch", fontsize=9, y=1.06)
 plt.show()
 
 

@@ -221,21 +221,26 @@ def draw_grid(ax, n_rows: int, n_cols: int, *, labels=None, colours=None, title:
               xlabel: str = "", ylabel: str = "", default_colour: str = "#ffffff") -> None:
     """Draw an ``n_rows x n_cols`` grid of blocks on ``ax`` (row 0 at the top): ``labels[(r, c)]`` is a
     block's text, ``colours[(r, c)]`` its fill. The puzzles' pictures of the blocks a kernel touches."""
+    from matplotlib.colors import to_rgb
     from matplotlib.patches import Rectangle
 
     labels, colours = labels or {}, colours or {}
     for r in range(n_rows):
         for c in range(n_cols):
-            ax.add_patch(Rectangle((c, r), 1, 1, facecolor=colours.get((r, c), default_colour),
-                                   edgecolor="#333333", linewidth=1))
+            fill = colours.get((r, c), default_colour)
+            ax.add_patch(Rectangle((c, r), 1, 1, facecolor=fill, edgecolor="#333333", linewidth=1))
             if (r, c) in labels:
-                ax.text(c + 0.5, r + 0.5, str(labels[(r, c)]), ha="center", va="center", fontsize=8)
+                red, green, blue = to_rgb(fill)
+                dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5  # white text on a dark fill
+                ax.text(c + 0.5, r + 0.5, str(labels[(r, c)]), ha="center", va="center", fontsize=8,
+                        color="white" if dark else "black")
     ax.set_xlim(0, n_cols)
     ax.set_ylim(n_rows, 0)
     ax.set_aspect("equal")
     ax.set_xticks([c + 0.5 for c in range(n_cols)], [str(c) for c in range(n_cols)])
     ax.set_yticks([r + 0.5 for r in range(n_rows)], [str(r) for r in range(n_rows)])
     ax.tick_params(length=0, labelsize=8)
+    ax.grid(False)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
