@@ -25,6 +25,7 @@ IMPLEMENTATION_MODULES = {
     "blockwise": ("tpuattn.impl.blockwise", 30),
     "pallas": ("tpuattn.pallas", 40),
     "splash": ("tpuattn.impl.splash", 50),
+    "tokamax": ("tpuattn.impl.tokamax", 60),
 }
 for _name, (_module, _priority) in IMPLEMENTATION_MODULES.items():
     REGISTRY.declare(_name, _module, priority=_priority)
