@@ -167,9 +167,11 @@ def test_stubs_fail_and_solutions_pass(path, monkeypatch, capsys):
             elif "solution" in cell["tags"]:
                 assert stub is not None, f"{where}: a solution cell without a puzzle cell before it"
                 assert stub["results"], f"{where}: the stub at line {stub['line']} was never checked"
-                assert all(verdict is False for _, verdict, _ in stub["results"]), (where, stub["results"])
+                assert all(verdict is not True for _, verdict, _ in stub["results"]), (where, stub["results"])
                 assert results, f"{where}: the solution cell does not call check"
                 for name, verdict, message in results:
+                    if verdict is None and "cannot be checked" in message:
+                        continue  # this JAX lacks what the check needs, and the check said so
                     assert verdict is True, (where, message)
                     assert message.startswith(f"PASS {name}"), (where, message)
                     if compiles:
@@ -196,3 +198,13 @@ def test_race_summary_reads_the_detectors_report():
     assert core.race_summary(report) == (
         ": a write (double_kernel line 9) and a read (double_kernel line 10) of one buffer")
     assert core.race_summary("something else") == ""
+
+
+def test_a_race_puzzle_says_so_where_this_jax_has_no_race_detector(monkeypatch, capsys):
+    from jax.experimental.pallas import tpu as pltpu
+
+    base = _copy_puzzle()
+    puzzle = core.Puzzle(base.name, base.build, base.inputs, base.oracle, 0, 0, detect_races=True)
+    monkeypatch.delattr(pltpu, "InterpretParams")
+    assert core.check(puzzle, _copy) is None
+    assert "cannot be checked here: this JAX has no pltpu.InterpretParams" in capsys.readouterr().out
