@@ -1098,7 +1098,10 @@ else:
 # Each stub raises `NotImplementedError`; fill it in and re-run the two cells below it (the second calls
 # `check_exercises` with your functions). Kernels run in interpret mode here and are checked against
 # `tpuattn.attention(..., impl="reference")`. Worked solutions are in the hidden cell at the end of the
-# notebook, which runs the same checks on them. Easier first:
+# notebook, which runs the same checks on them. To write this notebook's kernel yourself, one piece at
+# a time (the matmul's accumulator, the online softmax, the causal clamp, the scalar-prefetch table,
+# GQA's folded rows, two bugs to find), each checked at once and compiled for v5e, work through
+# [08 · Puzzles, forward](08_puzzles_forward.ipynb). Easier first:
 #
 # 1. **VMEM arithmetic** (★☆☆, 10 min). Write the forward's VMEM bytes per grid step for `block_q,
 #    block_kv, head_dim, itemsize` (double-buffered Q, K, V, O blocks; float32 `acc` plus `m` and `l`,
