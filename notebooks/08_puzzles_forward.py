@@ -113,7 +113,7 @@ def copy_kernel(x_ref, o_ref):
 passed = check(puzzles.COPY, copy_kernel, chip=CHIP)
 
 
-# %% tags=["solution"]
+# %% jupyter={"source_hidden": true} tags=["solution"]
 def copy_kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...]
 
@@ -150,7 +150,7 @@ def add_specs():
 passed = check(puzzles.ADD, add_specs, chip=CHIP)
 
 
-# %% tags=["solution"]
+# %% jupyter={"source_hidden": true} tags=["solution"]
 def add_specs():
     tile = pl.BlockSpec((8, 128), lambda i, j: (i, j))
     bias_row = pl.BlockSpec((1, 128), lambda i, j: (0, j))  # every row block reads the same bias block
@@ -195,7 +195,7 @@ def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
 passed = check(puzzles.MATMUL, matmul_kernel, chip=CHIP)
 
 
-# %% tags=["solution"]
+# %% jupyter={"source_hidden": true} tags=["solution"]
 def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
     k = pl.program_id(2)
 
@@ -238,7 +238,7 @@ def softmax_kernel(x_ref, o_ref):
 passed = check(puzzles.SOFTMAX, softmax_kernel, chip=CHIP)
 
 
-# %% tags=["solution"]
+# %% jupyter={"source_hidden": true} tags=["solution"]
 def softmax_kernel(x_ref, o_ref):
     x = x_ref[...]
     p = jnp.exp(x - x.max(axis=1, keepdims=True))
@@ -279,7 +279,7 @@ def flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
 passed = check(puzzles.FLASH, flash_kernel, chip=CHIP)
 
 
-# %% tags=["solution"]
+# %% jupyter={"source_hidden": true} tags=["solution"]
 def flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
     j = pl.program_id(1)
 
@@ -338,7 +338,7 @@ def kv_index_map(i, j):
 passed = check(puzzles.CAUSAL, kv_index_map, chip=CHIP)
 
 
-# %% tags=["solution"]
+# %% jupyter={"source_hidden": true} tags=["solution"]
 def kv_index_map(i, j):
     return jnp.minimum(j, i), 0  # a hidden step (j > i) re-names block i: no new DMA
 
@@ -388,7 +388,7 @@ def schedule_index_map(i, j, kv_blocks_ref, counts_ref):
 passed = check(puzzles.SCHEDULE, schedule_index_map, chip=CHIP)
 
 
-# %% tags=["solution"]
+# %% jupyter={"source_hidden": true} tags=["solution"]
 def schedule_index_map(i, j, kv_blocks_ref, counts_ref):
     last = counts_ref[i] - 1
     return kv_blocks_ref[i, jnp.minimum(j, last)], 0
@@ -429,7 +429,7 @@ def gqa_specs():
 passed = check(puzzles.GQA, gqa_specs, chip=CHIP)
 
 
-# %% tags=["solution"]
+# %% jupyter={"source_hidden": true} tags=["solution"]
 def gqa_specs():
     group, block_q, head_dim = puzzles.GQA_GROUP, puzzles.GQA_BLOCK_Q, puzzles.HEAD_DIM
     q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i: (h, 0, i, 0))
@@ -487,7 +487,7 @@ for label, mode in [("interpret=True", True),
     print(f"{label:24s} largest error {float(np.abs(np.asarray(doubled) - 2 * x).max()):.3g}")
 
 
-# %% tags=["solution"]
+# %% jupyter={"source_hidden": true} tags=["solution"]
 def double_kernel(x_hbm, o_ref, buf, sem):
     first = pltpu.make_async_copy(x_hbm.at[pl.ds(0, ROWS)], buf.at[0], sem.at[0])
     first.start()
@@ -524,7 +524,7 @@ def buggy_matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
 passed = check(puzzles.MATMUL_BUG, buggy_matmul_kernel, chip=CHIP)
 
 
-# %% tags=["solution"]
+# %% jupyter={"source_hidden": true} tags=["solution"]
 def buggy_matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
     @pl.when(pl.program_id(2) == 0)  # the missing line: every output block starts from zero
     def _init():
