@@ -530,6 +530,58 @@ for length in TIMING_LENGTHS:
                                        for impl in measured_impls))
 
 # %% [markdown]
+# **A third native path: tokamax.** Google's kernel library for JAX, tokamax
+# ([github.com/openxla/tokamax](https://github.com/openxla/tokamax)), puts several attention kernels
+# behind one call, `tokamax.dot_product_attention(..., implementation="mosaic" | "xla" | ...)`:
+# `"mosaic"` is its Pallas TPU kernel, `"xla"` materialises the scores as `jax.nn` does. Behind the
+# contract it is one more name, `impl="tokamax"` (`tpuattn/impl/tokamax.py`), with the same
+# translations as `jax.nn` (top-left flags, so any other mask becomes a boolean mask; zeros for a row
+# that sees no key), and it passes the same oracle suite on the CPU. It needs JAX 0.9.2 or newer: on an
+# older JAX it is listed as unavailable, with that reason, and nothing else changes. `impl="auto"`
+# never picks it; whether it should is a question for the evidence. The package ships a compile
+# report of it beside splash and the package's kernel (made by the command it records); below, the
+# peak HBM per device of one attention call, forward and forward + backward.
+
+# %%
+tokamax_report = aot.committed_report(aot.TOKAMAX_REPORT)
+print(f"{aot.LABEL}: JAX {tokamax_report['jax_version']}, libtpu {tokamax_report['libtpu_version']}; "
+      f"made by: {shlex.join(tokamax_report['command'])}")
+t_rows = {(r["chip"], r["impl"], r["mode"], r["seq_len"]): r for r in tokamax_report["rows"]}
+t_lengths = sorted({r["seq_len"] for r in tokamax_report["rows"]})
+t_chips = list(dict.fromkeys(r["chip"] for r in tokamax_report["rows"]))
+t_impls = list(dict.fromkeys(r["impl"] for r in tokamax_report["rows"]))
+
+
+def peak(row):
+    return f"{row['peak_hbm_bytes'] / 2**20:10.0f}" if row["status"] == "ok" else f"{row['status']:>10}"
+
+
+print(f"{'chip':<5} {'impl':<8} {'mode':<8}" + "".join(f"{f'T={n}':>11}" for n in t_lengths)
+      + "   (peak HBM, MiB)")
+for chip in t_chips:
+    for mode in ("fwd", "fwd+bwd"):
+        for impl in t_impls:
+            print(f"{chip:<5} {impl:<8} {mode:<8}" + "".join(f" {peak(t_rows[chip, impl, mode, n])}"
+                                                           for n in t_lengths))
+middle = t_lengths[len(t_lengths) // 2]
+ratio = (t_rows["v5e", "tokamax", "fwd+bwd", middle]["peak_hbm_bytes"]
+         / t_rows["v5e", "splash", "fwd+bwd", middle]["peak_hbm_bytes"])
+oom = [n for n in t_lengths if t_rows["v5e", "tokamax", "fwd+bwd", n]["status"] == "out_of_memory"]
+print(f"v5e, T={middle}: tokamax's forward + backward needs {ratio:.0f}x splash's HBM; out of memory "
+      f"from T={oom[0] if oom else None}")
+print("tokamax on this installation:", "available" if "tokamax" in tpuattn.implementations()
+      else tpuattn.api.REGISTRY.unavailable_reason("tokamax"))
+
+# %% [markdown]
+# tokamax's forward is the leanest of the three: nothing beyond its inputs and output. Its default
+# backward is another matter: its fused dK/dV kernel also writes one float32 partial dQ for every
+# 128-key block and sums them outside the kernel, a buffer that grows with the square of the length
+# (`tests/test_aot_tokamax.py` holds the compiler to it): the line under the table says how many
+# times splash's HBM that is, and where a training step stops fitting. That is a fact about one configuration of one release
+# (tokamax 0.0.12's defaults, compiled, not run), found without a TPU and in one argument: the
+# contract makes the swap cheap, and the compiler, not the name, says which kernel to train with.
+
+# %% [markdown]
 # **The rule, as code.** `impl="auto"` calls `tpuattn.choose(spec, backend)` (or
 # `choose_implementation` for the name alone); its docstring and each implementation's `auto_rank`
 # carry the evidence. Every registered, available implementation that *supports the input* offers a
