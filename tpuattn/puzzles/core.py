@@ -170,7 +170,10 @@ def _run(puzzle: Puzzle, answer) -> tuple[bool | None, str]:
     if mismatch is not None:
         return False, mismatch
     if puzzle.audit is not None:
-        finding = puzzle.audit(answer)
+        try:
+            finding = puzzle.audit(answer)
+        except Exception as error:  # noqa: BLE001 - the audit calls the learner's code outside a kernel
+            return False, f"the values match, but auditing the answer failed: {_trim(error)}"
         if finding is not None:
             return False, f"the values match, but {finding}"
     return True, ""
