@@ -28,7 +28,7 @@ def test_v5e_is_one_device_of_the_chip_table():
     ("v2", 23, 358, 8e9, 16, 1),
     ("v3", 70, 412.5, 17.2e9, 16, 1),
     ("v4", 275, 1230, 34.4e9, 16, 2),
-    ("v5p", 459, 2460, 103e9, 64, 2),
+    ("v5p", 459, 2765, 103e9, 64, 2),  # HBM: Cloud's v5p page (JAX's table: 2460)
     ("v6e", 920, 1640, 34.4e9, 128, 1),
     ("tpu7x", 1155, 3700, 103e9, 64, 1),
 ])
@@ -50,6 +50,9 @@ def test_jax_numbers_agree_with_the_table(name):
     jax_chip, table = roofline.chip_spec(name, source="jax"), roofline.chip_spec(name)
     assert jax_chip.source.startswith("pltpu.get_tpu_info_for_chip")
     for field in ("bf16_flops", "hbm_bandwidth", "hbm_capacity"):
+        if (name, field) == ("v5p", "hbm_bandwidth"):  # the one figure the table takes from Cloud's page
+            assert (jax_chip.hbm_bandwidth, table.hbm_bandwidth) == (2.46e12, 2.765e12)
+            continue
         assert getattr(jax_chip, field) == pytest.approx(getattr(table, field), rel=1e-6), field
     assert (jax_chip.vmem_bytes, jax_chip.tensor_cores) == (table.vmem_bytes, table.tensor_cores)
 
@@ -104,6 +107,64 @@ def test_materialised_counts_by_hand():
     assert roofline.cost("reference", spec, "fwd", chip=roofline.chip_spec("v5e")).hbm_bytes == 128
 
 
+def test_xla_keeps_buffers_in_the_vmem_the_scoped_limit_leaves():
+    # VMEM beside the kernels' scoped limit: v5e 128 - 16 MiB, v6e 128 - 32; none where a kernel gets
+    # the whole VMEM (v5p).
+    assert [roofline.chip_spec(c).xla_vmem_bytes for c in ("v5e", "v6e", "v5p")] == [112 * MIB, 96 * MIB, 0]
+    v5e = roofline.chip_spec("v5e")
+    # bf16, 8 heads, causal. At 2048 tokens S is 128 MiB (f32), P 64 MiB: S goes to HBM, P stays on
+    # chip; inputs and outputs are 4 MiB each.
+    spec = roofline.problem(2048, heads=8, head_dim=128, causal=True)
+    both = roofline.cost("reference", spec, "fwd+bwd", chip=v5e)
+    assert both.peak_hbm_bytes == 6 * 4 * MIB + 128 * MIB
+    big = {(b, w) for _, b, w in both.peak_breakdown if b >= 64 * MIB}
+    assert big == {(128 * MIB, "HBM"), (64 * MIB, "VMEM")}
+    # Strict: a buffer larger than what the scoped limit leaves is traffic, whatever VMEM holds
+    # (128 MiB on 128 MiB of VMEM went to HBM: the compiler's bytes accessed, 0.47 GB).
+    fwd = roofline.cost("reference", spec, "fwd", chip=v5e)
+    assert fwd.hbm_bytes == roofline.cost("reference", spec, "fwd").hbm_bytes > 0.3e9
+    # 1024 tokens: S is 32 MiB and stays on chip, so no score traffic.
+    short = roofline.problem(1024, heads=8, head_dim=128, causal=True)
+    assert roofline.cost("reference", short, "fwd", chip=v5e).hbm_bytes == 4 * 2 * MIB
+    # Without a chip nothing stays on chip.
+    assert roofline.cost("reference", spec, "fwd+bwd").peak_hbm_bytes == 6 * 4 * MIB + 192 * MIB
+
+
+def test_flash_peak_places_copies_in_the_results_and_the_rest_in_vmem():
+    # pallas, forward, 32768 tokens on v5e (what the buffer assignment showed): Q's layout copy shares
+    # the output's buffer, one 64 MiB buffer (K, V copies or O) stays in VMEM, the unread 128 MiB
+    # logsumexp and two 64 MiB buffers stay in HBM: 3 x 64 in, 64 out, 256 of temporaries.
+    spec = roofline.problem(32768, heads=8, head_dim=128, causal=True)
+    c = roofline.cost("pallas", spec, "fwd", chip=roofline.chip_spec("v5e"))
+    assert c.peak_hbm_bytes == (4 * 64 + 128 + 2 * 64) * MIB
+    where = {what: w for what, _, w in c.peak_breakdown}
+    assert where["Q in the kernel layout"] == "a result's buffer" and where["logsumexp (unread)"] == "HBM"
+    assert [w for what, _, w in c.peak_breakdown if what != "arguments"].count("VMEM") == 1
+    with pytest.raises(ValueError, match=r"^kind: expected one of \['copy', 'temp', 'unread'\], got 'tmp'"):
+        roofline._peak(0, 0, [("x", 1, "tmp")], None)
+
+
+def test_transcendentals_are_counted_but_no_rate_is_invented():
+    spec = roofline.problem(1024, heads=2, head_dim=128, causal=True)
+    fwd = roofline.cost("pallas", spec, "fwd", q_block=128, kv_block=128)
+    visited, _ = roofline.visited_tiles(spec, 128, 128)
+    assert fwd.transcendentals == 2 * visited * 128 * 128  # one exp per computed score
+    # the backward recomputes P in the row-sum pass, the dK/dV and the dQ kernels (splash: two)
+    both = {impl: roofline.cost(impl, spec, "fwd+bwd", q_block=128, kv_block=128).transcendentals
+            for impl in ("pallas", "splash")}
+    assert both == {"pallas": 4 * fwd.transcendentals, "splash": 3 * fwd.transcendentals}
+    assert roofline.cost("reference", spec, "fwd+bwd").transcendentals == 2 * 1024 * 1024  # every score once
+    p = roofline.predict("pallas", spec, "v5e", "fwd")
+    assert p.chip.transcendentals_per_second is None and p.vector_s is None
+    assert p.time_s == max(p.compute_s, p.memory_s) and p.as_dict()["vector_s"] is None
+    # with a rate, the exps join the bound
+    import dataclasses
+
+    fast = dataclasses.replace(p.chip, transcendentals_per_second=p.cost.transcendentals / 1.0)
+    q = roofline.Prediction(cost=p.cost, chip=fast, compute_s=p.compute_s, memory_s=p.memory_s)
+    assert q.vector_s == pytest.approx(1.0) and q.time_s == q.vector_s and q.bound == "vector"
+
+
 def test_flash_counts_by_hand():
     # T=256, D=128, bf16, 128 x 128 blocks: 2 x 2 tiles; a Q/K/V block is 128*128*2 = 32 KiB.
     spec = roofline.problem(256, heads=1, head_dim=128, dtype="bfloat16")
@@ -115,9 +176,11 @@ def test_flash_counts_by_hand():
     # read + write 3 x 2 blocks each) and out of it (O).
     copies = 2 * (3 * 2 * tile) + 2 * (2 * tile)
     assert full.hbm_bytes == 2 * tile + 4 * 2 * tile + 2 * tile + 256 * 512 + copies
-    # splash saves a 4-byte logsumexp per row.
+    # splash's forward without residuals writes no logsumexp; for a gradient it saves 128 lanes a row too.
     splash = roofline.cost("splash", spec, "fwd", q_block=128, kv_block=128)
-    assert full.hbm_bytes - splash.hbm_bytes == 256 * (512 - 4)
+    assert full.hbm_bytes - splash.hbm_bytes == 256 * 512
+    assert ("write logsumexp", 256 * 512) in roofline.cost("splash", spec, "fwd+bwd", q_block=128,
+                                                           kv_block=128).breakdown
     causal_spec = roofline.problem(256, heads=1, head_dim=128, causal=True)
     assert roofline.visited_tiles(causal_spec, 128, 128) == (3, 4)
     causal = roofline.cost("pallas", causal_spec, "fwd", q_block=128, kv_block=128)
@@ -160,8 +223,9 @@ def test_default_blocks_follow_each_chip():
         assert roofline.default_blocks("pallas", spec, roofline.chip_spec(chip)) == (expected, expected), chip
         forward = blocks.default_block_sizes(128, "bfloat16", chip=chip).forward
         assert (forward.block_q, forward.block_kv) == (expected, expected)
-    assert roofline.cost("splash", spec, chip=roofline.chip_spec("v5e")) == roofline.cost(
-        "splash", spec, q_block=512, kv_block=512)
+    v5e = roofline.chip_spec("v5e")
+    assert roofline.cost("splash", spec, chip=v5e) == roofline.cost("splash", spec, q_block=512, kv_block=512,
+                                                                     chip=v5e)
 
 
 def test_flash_vmem_is_the_kernels_own_accounting():
@@ -306,11 +370,11 @@ def test_the_auto_rules_compiled_evidence_holds():
 
 def test_the_splash_rule_docstring_matches_the_model():
     # splash_auto_rank's docstring states where the flash schedule turns compute bound; hold it to that.
-    for chip in ("v4", "v5e", "v5p"):
+    for chip, turns in (("v4", 4096), ("v5e", 4096), ("v5p", 2048)):
         bounds = {t: roofline.predict("splash", roofline.problem(t, heads=8, head_dim=128, dtype="bfloat16",
                                                                  causal=True), chip, "fwd").bound
-                  for t in (2048, 4096)}
-        assert bounds == {2048: "memory", 4096: "compute"}, chip
+                  for t in (1024, 2048, 4096)}
+        assert bounds == {t: "compute" if t >= turns else "memory" for t in bounds}, chip
     assert roofline.predict("splash", roofline.problem(8192, heads=8, head_dim=128, dtype="bfloat16",
                                                        causal=True), "v6e", "fwd").bound == "memory"
 
@@ -319,7 +383,7 @@ def test_the_splash_rule_docstring_matches_the_model():
 # Hand figures per chip (tpuattn.chips, JAX's tpu_info): HBM bytes/s and bf16 FLOP/s of the whole chip.
 # tpu7x's two TensorCores are two JAX devices (half each); the megacore v5p is one device (the chip).
 @pytest.mark.parametrize("name, chip_gbps, chip_tflops, share", [
-    ("tpu7x", 7400, 2310, 0.5), ("v2", 716, 46, 0.5), ("v5p", 2460, 459, 1.0), ("v5e", 820, 197, 1.0)])
+    ("tpu7x", 7400, 2310, 0.5), ("v2", 716, 46, 0.5), ("v5p", 2765, 459, 1.0), ("v5e", 820, 197, 1.0)])
 @pytest.mark.parametrize("dtype, passes, itemsize", [("bfloat16", 1, 2), ("float32", 6, 4)])
 def test_the_decode_roofline_works_per_device_with_the_dtypes_peak(name, chip_gbps, chip_tflops, share,
                                                                     dtype, passes, itemsize):
@@ -369,7 +433,10 @@ def test_a_misspelt_schedule_model_field_is_an_error():
     with pytest.raises(ValueError, match=r"^lse_row_bytes: expected a positive int"):
         ScheduleModel(lse_row_bytes=0)
     assert roofline.schedule_model("pallas") == ScheduleModel(lse_row_bytes=512, delta_row_bytes=512,
-                                                              pads_head_dim=True, kernel_layout_copies=True)
+                                                              pads_head_dim=True, kernel_layout_copies=True,
+                                                              lse_copies_in_backward=2)
+    with pytest.raises(ValueError, match=r"^lse_copies_in_backward: expected an int >= 0, got True"):
+        ScheduleModel(lse_copies_in_backward=True)
 
 
 def test_the_roofline_reads_the_record_by_attribute_and_refuses_anything_else(monkeypatch):
@@ -393,7 +460,17 @@ def test_the_roofline_reads_the_record_by_attribute_and_refuses_anything_else(mo
 
     monkeypatch.setattr(roofline.api, "get_implementation", real)
     base = roofline.cost("splash", spec, q_block=128, kv_block=128)
+    patched(model=ScheduleModel(lse_row_bytes=4, delta_row_bytes=4, kernel_layout_copies=True,
+                                forward_saves_lse=False))
+    narrow = roofline.cost("splash", spec, "fwd+bwd", q_block=128, kv_block=128)
+    patched(model=ScheduleModel(lse_row_bytes=512, delta_row_bytes=4, kernel_layout_copies=True,
+                                forward_saves_lse=False))
+    wide = roofline.cost("splash", spec, "fwd+bwd", q_block=128, kv_block=128)
+    # the forward writes the logsumexp once per query row, and the backward's passes read it once
+    # per q block (dQ) and per visited tile (dK/dV): batch 1 x 2 heads x (512 - 4) bytes more a row each
+    visited, _ = roofline.visited_tiles(spec, 128, 128)
+    assert wide.hbm_bytes - narrow.hbm_bytes == 2 * (1024 + 1024 + visited * 128) * (512 - 4)
+    # and a forward-only call that saves none writes none
     patched(model=ScheduleModel(lse_row_bytes=512, delta_row_bytes=4, kernel_layout_copies=True))
-    wide = roofline.cost("splash", spec, q_block=128, kv_block=128)
-    # the forward writes the logsumexp once per query row: batch 1 x 2 heads x 1024 rows x (512 - 4) more
-    assert wide.hbm_bytes - base.hbm_bytes == 1 * 2 * 1024 * (512 - 4)
+    saves = roofline.cost("splash", spec, q_block=128, kv_block=128)
+    assert saves.hbm_bytes - base.hbm_bytes == 1 * 2 * 1024 * 512

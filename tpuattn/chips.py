@@ -7,7 +7,8 @@ the compile reports. Two questions, one module:
   FLOP/s, HBM bandwidth and capacity, and VMEM per TensorCore, as JAX itself tabulates them in
   ``jax/_src/pallas/mosaic/tpu_info.py`` (JAX 0.10.2; ``pltpu.get_tpu_info_for_chip`` from 0.8.1),
   which agree with Google Cloud's TPU pages (https://cloud.google.com/tpu/docs/system-architecture-tpu-vm,
-  /tpu/docs/v4, /v5e, /v5p, /v6e, /tpu7x) up to their rounding: the table is kept here so JAX 0.7.2,
+  /tpu/docs/v4, /v5e, /v5p, /v6e, /tpu7x) up to their rounding, except v5p's HBM bandwidth (JAX: 2460
+  GB/s; Cloud's v5p page: 2765 GB/s, the figure this table takes): the table is kept here so JAX 0.7.2,
   which has no ``get_tpu_info``, gets the same numbers. Capacities are bytes (v6e: 34.4e9 bytes =
   32 GiB; Cloud's "32 GB" page means GiB).
 * **Which chip is the code for?** Normally the local device's (none off a TPU). Inside
@@ -84,14 +85,15 @@ class Chip:
                 "ici_link_bandwidth": None if link is None else link * share}
 
 
-# Per chip, from JAX's tpu_info.py (0.10.2). Device kinds as JAX's chip_version_from_device_kind reads them.
+# Per chip, from JAX's tpu_info.py (0.10.2), except v5p's HBM bandwidth (see V5P_HBM below). Device kinds as
+# JAX's chip_version_from_device_kind reads them.
 CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
     Chip("v2", 2, False, 4.6e13, 7.16e11, 16.0e9, 16 * MIB, "v2:2x2x1", ("TPU v2",), bf16_matmul=False),
     Chip("v3", 2, False, 1.40e14, 8.25e11, 34.4e9, 16 * MIB, "v3:2x2x1", ("TPU v3",), bf16_matmul=False),
     Chip("v4", 2, True, 2.75e14, 1.23e12, 34.4e9, 16 * MIB, "v4:2x2x1", ("TPU v4",)),
     Chip("v5e", 1, False, 1.97e14, 8.20e11, 17.2e9, 128 * MIB, "v5e:2x2", ("TPU v5 lite", "TPU v5e"),
          ici_bandwidth=400e9, ici_ports=4),
-    Chip("v5p", 2, True, 4.59e14, 2.46e12, 103.0e9, 64 * MIB, "v5p:2x2x1", ("TPU v5", "TPU v5p"),
+    Chip("v5p", 2, True, 4.59e14, 2.765e12, 103.0e9, 64 * MIB, "v5p:2x2x1", ("TPU v5", "TPU v5p"),
          kernel_vmem_bytes=64 * MIB, ici_bandwidth=1200e9, ici_ports=6),
     Chip("v6e", 1, False, 9.20e14, 1.64e12, 34.4e9, 128 * MIB, "v6e:2x2", ("TPU v6 lite", "TPU v6e"),
          kernel_vmem_bytes=32 * MIB),
@@ -103,6 +105,12 @@ NAMES = tuple(CHIPS)
 # the TPU compiler itself states it when a kernel overflows (libtpu 0.0.42.1, compile-only): a scoped
 # limit of 16 MiB on v5e and 32 MiB on v6e ("E1001: CompileTimeScopedVmemOom ... limit 16.00M"), the
 # whole VMEM elsewhere ("Used ... of 16.00M vmem" on v2/v3/v4, "of 63.94M" on v5p, "of 64.00M" on tpu7x).
+
+# V5P_HBM: JAX's tpu_info.py says 2.46e12 B/s for v5p; Google Cloud's v5p page says "HBM2e capacity and
+# bandwidth | 95GB, 2765 GBps" (https://cloud.google.com/tpu/docs/v5p, key specifications; its newer table
+# writes the same figure as 2575 GiBps). The table takes the source's 2.765e12; chip_spec(source="jax")
+# still reads JAX's own figure.
+V5P_HBM_BANDWIDTH_SOURCE = "https://cloud.google.com/tpu/docs/v5p (HBM2e bandwidth 2765 GBps)"
 
 # ICI: "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip)": 400 GBps with 4 ICI ports
 # on v5e (https://cloud.google.com/tpu/docs/v5e, 2D torus) and 1200 GBps on v5p

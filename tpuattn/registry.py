@@ -66,6 +66,10 @@ class ScheduleModel:
       pads_head_dim: flash: the kernel pads head_dim to the 128 lanes (moves and multiplies the pad).
       kernel_layout_copies: flash: the wrapper copies Q, K, V and O (dO, dQ, dK, dV) to and from
         ``[batch, heads, seq, head_dim]`` around the kernel.
+      forward_saves_lse: flash: a forward-only call writes the logsumexp too (splash's forward without
+        residuals does not).
+      lse_copies_in_backward: flash: buffers the backward makes of the saved logsumexp, each
+        ``lse_row_bytes`` a row (0: its passes read the saved one).
     """
 
     live_scores: Mapping[str, Callable[[int], float]] | None = None
@@ -73,6 +77,8 @@ class ScheduleModel:
     delta_row_bytes: int = 4
     pads_head_dim: bool = False
     kernel_layout_copies: bool = False
+    forward_saves_lse: bool = True
+    lse_copies_in_backward: int = 0
 
     def __post_init__(self):
         if self.live_scores is not None:
@@ -80,6 +86,9 @@ class ScheduleModel:
             if unknown or not all(callable(f) for f in self.live_scores.values()):
                 raise ValueError(f"live_scores: expected {{mode: f(p) -> bytes}} with modes from "
                                  f"{list(_MODEL_MODES)}, got keys {sorted(self.live_scores)}")
+        copies = self.lse_copies_in_backward
+        if isinstance(copies, bool) or not isinstance(copies, int) or copies < 0:
+            raise ValueError(f"lse_copies_in_backward: expected an int >= 0, got {copies!r}")
         for field in ("lse_row_bytes", "delta_row_bytes"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -265,8 +265,9 @@ def splash_auto_rank(spec, backend: str) -> float | None:
     ``xla`` runs out of HBM on v4, v5e and v6e while splash needs under 1 GiB. On v2/v3 it refuses
     bf16 (``supports``), so ``auto`` falls back to ``xla`` there. Modelled (notebook 05; bf16, causal,
     8 heads x 128, forward): the flash schedule at its 512 x 512 tiles is memory bound up to 2048
-    tokens on v4, v5e and v5p and compute bound from 4096; on v6e, whose ridge point is above 512
-    FLOP/byte, it stays memory bound at 512 x 512. The choice rests on memory (above), not speed.
+    tokens on v4 and v5e and compute bound from 4096 (v5p, at its 2765 GB/s, from 2048); on v6e,
+    whose ridge point is above 512 FLOP/byte, it stays memory bound at 512 x 512. The choice rests
+    on memory (above), not speed.
 
     Accuracy the rank cannot see: on one-hot rows at huge logits (near 1e4 in float32, where a logit's
     ulp is ~1e-3) splash's backward takes delta = rowsum(dO * O) from its rounded output, so dS is ~1e-3
@@ -288,7 +289,10 @@ def splash_auto_rank(spec, backend: str) -> float | None:
 register("splash", splash_attention, supports=splash_supports, available=_splash_available, takes_sinks=True,
          auto_rank=splash_auto_rank, interpreted_off_tpu=True, schedule="flash",
          default_blocks=default_blocks, options=SPLASH_OPTIONS,
-         # The adapter transposes Q, K, V to [batch, heads, seq, head_dim] (and O back); the kernel
-         # saves a float32 logsumexp per row.
-         model=ScheduleModel(lse_row_bytes=4, delta_row_bytes=4, kernel_layout_copies=True),
+         # The adapter transposes Q, K, V to [batch, heads, seq, head_dim] (and O back); for the
+         # backward the kernel saves its float32 logsumexp 128 lanes wide (its residual is
+         # [heads, q_len, NUM_LANES], splash_attention_kernel.py), and without residuals none; delta
+         # is one float32 per row.
+         model=ScheduleModel(lse_row_bytes=512, delta_row_bytes=4, kernel_layout_copies=True,
+                             forward_saves_lse=False),
          description="JAX's splash-attention Pallas kernel (TPU; interpret mode elsewhere)")

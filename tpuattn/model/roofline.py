@@ -40,9 +40,17 @@ the model takes f32 peak = bf16 peak / 6. That is a *modelled* number, not a pub
   state make a round trip through HBM.
 
 The predicted time is the lower bound ``max(flops / peak, bytes / bandwidth)`` (:func:`predict`).
-It ignores the vector unit (``exp``, max, scaling), which on TPUs can be the real limit for
-``head_dim <= 128``, pipeline bubbles and launch overhead; measured times are therefore expected
-above it.
+The vector unit's work is counted (``Cost.transcendentals``: one exp per computed score and per pass
+that recomputes P), but no chip has a published exp rate to turn it into time (:data:`TRANSCENDENTALS`),
+so the bound leaves out the exps (which on TPUs can be the real limit for ``head_dim <= 128``),
+pipeline bubbles and launch overhead; measured times are therefore expected above it.
+
+**Peak HBM.** ``Cost.peak_hbm_bytes`` is the call's arguments and results plus the temporaries XLA:TPU
+leaves in HBM (:func:`_peak`): given a chip, a temporary may share a result's buffer or stay in the
+VMEM beside the kernels' scoped limit (:attr:`ChipSpec.xla_vmem_bytes`), as the compiler's buffer
+assignment showed on a grid of chips, lengths, implementations and modes
+(``benchmarks/peak_hbm_grid.py``; ``tests/test_aot_model_grid.py`` holds it within 10%).
+``Cost.peak_breakdown`` says where each buffer went.
 
 **Crossovers.** :func:`materialise_crossover` is the sequence length at which the materialised
 schedule's score buffers stop fitting in HBM; :func:`vmem_crossover` is the length at which a
@@ -76,7 +84,8 @@ F32_PASSES = 6
 SCHEDULES = ("materialised", "flash", "flash (row-sum pass)", "blockwise (XLA loop)")
 SOURCES = ("table", "jax")
 
-__all__ = ["F32_PASSES", "GIB", "MIB", "MODES", "SCHEDULES", "SOURCES", "ChipSpec", "Cost", "Prediction",
+__all__ = ["BUFFER_KINDS", "F32_PASSES", "GIB", "MIB", "MODES", "SCHEDULES", "SOURCES", "TRANSCENDENTALS",
+           "ChipSpec", "Cost", "Prediction",
            "chip_spec", "cost", "default_blocks", "jax_has_tpu_info", "materialise_crossover", "models",
            "predict", "problem", "roofline_curve", "schedule_model", "standard_flops", "visited_tiles",
            "vmem_crossover"]
@@ -96,6 +105,9 @@ class ChipSpec:
     source: str  # where the numbers come from
     kernel_vmem_bytes: int = 16 * MIB  # what a kernel gets (tpuattn.chips.Chip.kernel_vmem_bytes)
     ici_link_bandwidth: float | None = None  # one-way bytes/s of one ICI link, this device's share
+    # exp (transcendental) evaluations per second per device: None on every chip, for want of a
+    # citable figure (see TRANSCENDENTALS below); predict() then leaves the vector-unit term out
+    transcendentals_per_second: float | None = None
 
     @property
     def f32_flops(self) -> float:
@@ -107,6 +119,16 @@ class ChipSpec:
         """The VMEM a kernel is given by default, as the TPU compiler states it (the scoped limit on
         v5e and v6e, the whole VMEM elsewhere): :attr:`tpuattn.chips.Chip.kernel_vmem_bytes`."""
         return self.kernel_vmem_bytes
+
+    @property
+    def xla_vmem_bytes(self) -> int:
+        """VMEM that XLA's memory-space assignment may give whole buffers (a score matrix, a layout
+        copy, a kernel's output) instead of HBM: what the scoped limit kernels get leaves,
+        ``vmem_bytes - kernel_vmem_bytes`` (v5e: 112 MiB, v6e: 96 MiB; 0 where a kernel is given
+        the whole VMEM). The compiler's own memory-usage reports (libtpu 0.0.42.1) never use more:
+        the most VMEM any program of the peak-HBM grid used was 112.00 MiB on v5e and 92.02 MiB on
+        v6e."""
+        return max(0, self.vmem_bytes - self.kernel_vmem_bytes)
 
     def peak_flops(self, dtype, precision: str = "highest") -> float:
         """bf16/f16 inputs run at bf16 peak; f32 at the modelled :attr:`f32_flops` -- unless
@@ -211,6 +233,10 @@ class Cost:
     vmem_bytes: float  # per-core VMEM working set of a kernel (0 for XLA schedules)
     breakdown: tuple[tuple[str, float], ...]  # (what, bytes) summing to hbm_bytes
     visited_fraction: float = 1.0  # fraction of score tiles computed
+    transcendentals: float = 0.0  # exp evaluations: one per computed score, again per recomputing pass
+    # (what, bytes, where) of every buffer the peak counts or leaves out; where is "HBM",
+    # "VMEM" (kept on chip by XLA, not counted) or "a result's buffer" (shares it, not counted)
+    peak_breakdown: tuple[tuple[str, float, str], ...] = ()
 
     @property
     def intensity(self) -> float:
@@ -282,22 +308,82 @@ def _arguments_and_results(q_bytes: float, kv_bytes: float, mode: str) -> float:
     return q_bytes + 2 * kv_bytes + (q_bytes if mode == "fwd" else q_bytes + 2 * kv_bytes)
 
 
+# TRANSCENDENTALS: the vector unit evaluates one exp per computed score (FlashAttention-3's argument:
+# at head_dim 128 the exps, not the matmuls, can bound a flash kernel). The model counts them
+# (Cost.transcendentals) but has no per-chip throughput to divide them by: neither Google Cloud's TPU
+# pages, nor JAX's tpu_info table (pltpu.get_tpu_info_for_chip: MXU, HBM and VMEM figures only), nor
+# the scaling book ("How to Scale Your Model", ch. 2) publishes a transcendental rate per chip, and a
+# number read off instruction counts would be this project's own estimate, not a source. So
+# ChipSpec.transcendentals_per_second is None and Prediction.vector_s is None until one is published.
+TRANSCENDENTALS = "no published per-chip transcendental (exp) rate; the vector-unit term is left out"
+
+# Kinds of a temporary buffer, for :func:`_peak`: "copy" is consumed before the call's results are
+# written (a layout copy of an input, the forward's output in a gradient), so it may share a result's
+# buffer; "temp" may stay in VMEM; "unread" is an output nothing reads (XLA leaves it in HBM).
+BUFFER_KINDS = ("copy", "temp", "unread")
+
+
+def _peak(arguments: float, results: float, temps, chip: ChipSpec | None) -> tuple[float, tuple]:
+    """Peak HBM of a program: its arguments and results plus the temporaries that neither share a
+    result's buffer nor stay in VMEM, as XLA:TPU's buffer assignment placed them on the grid of
+    ``benchmarks/peak_hbm_grid.py`` (libtpu 0.0.42.1, v5e and v6e):
+
+    1. a "copy" shares a result's buffer while the results have room (the layout copy of Q went into
+       the output's allocation: v5e, pallas, forward, 32768 tokens);
+    2. the other temporaries but "unread" ones go to VMEM, largest first, each while it fits what is
+       left of :attr:`ChipSpec.xla_vmem_bytes` (a buffer as large as what is left goes to HBM: at 2048
+       tokens a 64 MiB P stayed in v5e's VMEM and the 128 MiB S did not; at 8192 tokens Pallas's
+       backward filled the 112 MiB exactly, so a buffer fits when it is no larger than what is left);
+    3. the rest is in HBM.
+
+    ``temps``: ``(what, bytes, kind)`` with kind from :data:`BUFFER_KINDS`. Without a chip nothing stays
+    on chip (the peak is then an upper bound of the compiler's)."""
+    rows = [("arguments", float(arguments), "HBM"), ("results", float(results), "HBM")]
+    room, pending = float(results), []
+    for what, size, kind in temps:
+        if kind not in BUFFER_KINDS:
+            raise ValueError(f"kind: expected one of {list(BUFFER_KINDS)}, got {kind!r}")
+        if kind == "copy" and 0 < size <= room:
+            room -= size
+            rows.append((what, float(size), "a result's buffer"))
+        else:
+            pending.append((what, float(size), kind))
+    vmem = float(chip.xla_vmem_bytes) if chip is not None else 0.0
+    for what, size, kind in sorted(pending, key=lambda t: -t[1]):
+        if kind != "unread" and 0 < size <= vmem:
+            vmem -= size
+            rows.append((what, size, "VMEM"))
+        else:
+            rows.append((what, size, "HBM"))
+    return sum(b for _, b, where in rows if where == "HBM"), tuple(rows)
+
+
 def _materialised(impl: str, spec, mode: str, chip: ChipSpec | None = None) -> Cost:
-    """Every score computed and kept in HBM. ``chip``: score buffers that fit the device's VMEM cost no
-    HBM traffic (the compiler may keep them on chip: on v5e a 64 MiB score buffer stayed in VMEM and
-    a 128 MiB one went to HBM), the optimistic side, as a lower bound must be. The peak always
-    counts them in HBM. Not counted: a boolean [q_len, kv_len] mask XLA sometimes materialises (seen
+    """Every score computed and kept in HBM. ``chip``: score buffers XLA can keep in the VMEM beside
+    the kernels' scoped limit (:func:`_peak`: on v5e a 64 MiB P stayed in VMEM and a 128 MiB S went
+    to HBM) are left out of the peak, and cost no HBM traffic when all of them stay there. Not
+    counted: a boolean [q_len, kv_len] mask XLA sometimes materialises (seen
     for jax.nn's path in float32 on v4: 64 MiB at 8192 tokens, 12% of the peak with 2 heads, 3% with 8)."""
     q_bytes, kv_bytes, e = _io_bytes(spec)
     p = e  # P is cast to v's dtype; 4 bytes when v is f32
     n = spec.batch * spec.num_q_heads * spec.q_len * spec.kv_len  # score elements
     d = spec.head_dim
-    live = {**DEFAULT_LIVE_SCORES, **(schedule_model(impl).live_scores or {})}[mode](p) * n
-    lean = DEFAULT_LIVE_SCORES[mode](p) * n
+    per_score = {**DEFAULT_LIVE_SCORES, **(schedule_model(impl).live_scores or {})}[mode](p)
     io = _arguments_and_results(q_bytes, kv_bytes, mode)
-    if chip is not None and live + io > chip.hbm_capacity:
-        live = lean  # short of HBM, XLA falls back to the leanest graph (seen for jax.nn's path)
-    on_chip = chip is not None and live <= chip.vmem_bytes * chip.tensor_cores
+    if chip is not None and per_score * n + io > chip.hbm_capacity:
+        per_score = DEFAULT_LIVE_SCORES[mode](p)  # short of HBM, XLA falls back to the leanest graph
+    # The live score bytes as buffers: float32 [batch, heads, q_len, kv_len] ones (S, exp S), and
+    # what is left over (P in v's dtype for the backward).
+    buffers = [("score buffer (f32)", 4 * n)] * int(per_score // 4)
+    if per_score % 4:
+        buffers.append(("P for the backward", per_score % 4 * n))
+    arguments, results = q_bytes + 2 * kv_bytes, io - (q_bytes + 2 * kv_bytes)
+    peak, placed = _peak(arguments, results, [(what, b, "temp") for what, b in buffers], chip)
+    # Score buffers cost no HBM traffic only when every one of them stays on chip (the same
+    # placement as the peak's: VMEM beside the kernels' scoped limit, a buffer at most what is left;
+    # on v5e a 64 MiB P stayed in VMEM and a 128 MiB S did not). The optimistic side, as a lower
+    # bound must be.
+    on_chip = all(where == "VMEM" for what, _, where in placed if what in dict(buffers))
     where = " (on chip: no HBM traffic)" if on_chip else ""
     flops = float(FORWARD_FLOPS_PER_SCORE) * n * d  # QK^T and PV over every pair: masks skip no work
     breakdown = [("read Q, K, V", q_bytes + 2 * kv_bytes), ("write O", q_bytes)]
@@ -308,9 +394,10 @@ def _materialised(impl: str, spec, mode: str, chip: ChipSpec | None = None) -> C
                        + 2 * kv_bytes)]
         breakdown += [("bwd: " + name + where, 0.0 if on_chip else per(p) * n)
                       for name, per in MATERIALISED_BWD_PASSES]
-    return Cost(impl=impl, mode=mode, schedule="materialised", flops=flops,
+    # one exp per score in the forward; the backward reads the stored P
+    return Cost(impl=impl, mode=mode, schedule="materialised", flops=flops, transcendentals=float(n),
                 standard_flops=standard_flops(spec, mode), hbm_bytes=sum(b for _, b in breakdown),
-                peak_hbm_bytes=float(live + io), vmem_bytes=0.0, breakdown=tuple(breakdown))
+                peak_hbm_bytes=float(peak), vmem_bytes=0.0, breakdown=tuple(breakdown), peak_breakdown=placed)
 
 
 @functools.lru_cache(maxsize=256)
@@ -332,7 +419,7 @@ def _check_blocks(q_block, kv_block) -> None:
 
 
 def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backward: bool,
-           row_sum_pass: bool = False) -> Cost:
+           row_sum_pass: bool = False, chip: ChipSpec | None = None) -> Cost:
     """The flash schedule. ``row_sum_pass``: the backward's delta is rowsum(P * dP), summed by a pass
     of its own over the visited tiles (tpuattn's Pallas kernel), not rowsum(dO * O) (splash)."""
     _check_blocks(q_block, kv_block)
@@ -397,7 +484,8 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     rows = spec.batch * spec.num_q_heads * spec.q_len
     lse, delta = rows * lse_row, rows * delta_row
     copies = params.kernel_layout_copies
-    breakdown.append(("write logsumexp", lse))
+    if mode == "fwd+bwd" or params.forward_saves_lse:
+        breakdown.append(("write logsumexp", lse))
     if copies:
         breakdown.append(("wrapper: Q, K, V into the kernel layout (read + write)",
                           (1 + widen) * (q_bytes + 2 * kv_bytes)))
@@ -405,21 +493,45 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
         if mode == "fwd+bwd":
             breakdown.append(("wrapper: dO in, dQ, dK, dV out (read + write)",
                               (1 + widen) * (2 * q_bytes + 2 * kv_bytes)))
-    # Live at the peak: inputs and outputs, the kernel-layout copies of Q, K, V, the logsumexp, and
-    # for the backward O and dO (kernel layout) and delta (the compiler's memory analysis agrees
-    # within a few percent once these buffers are too large to stay in VMEM).
-    peak = _arguments_and_results(q_bytes, kv_bytes, mode) + lse
-    if copies:
-        peak += widen * (q_bytes + 2 * kv_bytes)
-    if widen > 1:  # the kernels' padded outputs are buffers of their own (unpadded, the compiler reuses)
-        peak += widen * q_bytes + (widen * (q_bytes + 2 * kv_bytes) if mode == "fwd+bwd" else 0)
-    if mode == "fwd+bwd":
-        peak += 2 * widen * q_bytes + delta
+    # Live at the peak (what XLA:TPU's buffer assignment showed, benchmarks/peak_hbm_grid.py): the
+    # call's arguments and results; the kernel-layout copies of Q, K, V (and of O and dO in a
+    # gradient), consumed before the results are written; the kernel's output O; the logsumexp
+    # (unread in a forward-only call); in the backward, the logsumexp as the backward's passes read it
+    # (``lse_copies_in_backward`` re-laid-out copies, or the saved one) and delta. The kernels'
+    # gradients in the kernel layout reuse buffers dead by then (unless head_dim is padded).
+    # :func:`_peak` places them: copies in the results' buffers, others in VMEM while they fit.
+    arguments, results = q_bytes + 2 * kv_bytes, _arguments_and_results(q_bytes, kv_bytes, mode) - (
+        q_bytes + 2 * kv_bytes)
+    kind = "copy" if copies else "temp"
+    temps = [("Q in the kernel layout", widen * q_bytes, kind),
+             ("K in the kernel layout", widen * kv_bytes, kind),
+             ("V in the kernel layout", widen * kv_bytes, kind)] if copies else []
+    if mode == "fwd":
+        if copies or widen > 1:
+            temps.append(("O from the kernel", widen * q_bytes, "temp"))
+        if params.forward_saves_lse:
+            temps.append(("logsumexp (unread)", lse, "unread"))
+    else:
+        temps.append(("O from the kernel (the backward's residual)", widen * q_bytes, "copy"))
+        if copies:
+            temps.append(("dO in the kernel layout", widen * q_bytes, "copy"))
+        for n in range(max(1, params.lse_copies_in_backward)):
+            temps.append((f"logsumexp as the backward reads it ({n + 1})", lse, "temp"))
+        temps.append(("delta", delta, "temp"))
+        if widen > 1:  # the kernels' padded gradients are buffers of their own
+            temps += [("dQ from the kernel", widen * q_bytes, "temp"),
+                      ("dK from the kernel", widen * kv_bytes, "temp"),
+                      ("dV from the kernel", widen * kv_bytes, "temp")]
+    peak, placed = _peak(arguments, results, temps, chip)
     name = "flash (row-sum pass)" if row_sum_pass else "flash"
+    # one exp per computed score and pass that computes P: the forward, then the row-sum pass, and
+    # the dK/dV and dQ kernels (or the fused one)
+    passes = 1 if mode == "fwd" else 1 + (1 if row_sum_pass else 0) + (1 if fused_backward else 2)
     return Cost(impl=impl, mode=mode, schedule=name, flops=flops,
+                transcendentals=float(passes * heads * visited * q_block * kv_block),
                 standard_flops=standard_flops(spec, mode),
                 hbm_bytes=sum(b for _, b in breakdown), peak_hbm_bytes=float(peak), vmem_bytes=float(vmem),
-                breakdown=tuple(breakdown), visited_fraction=visited / (nq * nk))
+                breakdown=tuple(breakdown), visited_fraction=visited / (nq * nk), peak_breakdown=placed)
 
 
 def _kv_steps(mask: MaskSpec, q_block: int, kv_block: int) -> int:
@@ -489,6 +601,7 @@ def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int) -> Cost:
         breakdown += [("bwd tile: " + name, per(p) * scores) for name, per in BLOCKWISE_BWD_TILE_PASSES]
         peak += 2 * q_bytes + 2 * kv_bytes + q_heads * nq * q_block * d * 4
     return Cost(impl=impl, mode=mode, schedule="blockwise (XLA loop)", flops=flops,
+                transcendentals=float(scores * (1 if mode == "fwd" else 2)),
                 standard_flops=standard_flops(spec, mode), hbm_bytes=sum(b for _, b in breakdown),
                 peak_hbm_bytes=float(peak), vmem_bytes=0.0, breakdown=tuple(breakdown),
                 visited_fraction=visited / (nq * nk))
@@ -524,7 +637,8 @@ def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_b
         kv_block = default_kv if kv_block is None else kv_block
     if schedule in ("flash", "flash (row-sum pass)"):
         return _flash(impl, spec, mode, q_block, kv_block, fused_backward,
-                      row_sum_pass=schedule == "flash (row-sum pass)")
+                      row_sum_pass=schedule == "flash (row-sum pass)",
+                      chip=None if chip is None else _as_chip_spec(chip))
     return _blockwise(impl, spec, mode, q_block, kv_block)  # "blockwise (XLA loop)"
 
 
@@ -539,11 +653,20 @@ class Prediction:
     memory_s: float
 
     @property
+    def vector_s(self) -> float | None:
+        """The exps at the chip's transcendental rate; None where no rate is published (every chip
+        today: see :data:`TRANSCENDENTALS`), and then left out of :attr:`time_s`."""
+        rate = self.chip.transcendentals_per_second
+        return None if rate is None else self.cost.transcendentals / rate
+
+    @property
     def time_s(self) -> float:
-        return max(self.compute_s, self.memory_s)
+        return max(self.compute_s, self.memory_s, self.vector_s or 0.0)
 
     @property
     def bound(self) -> str:
+        if self.vector_s is not None and self.vector_s > max(self.compute_s, self.memory_s):
+            return "vector"
         return "compute" if self.compute_s >= self.memory_s else "memory"
 
     @property
@@ -566,6 +689,7 @@ class Prediction:
                 "intensity": self.cost.intensity, "compute_s": self.compute_s, "memory_s": self.memory_s,
                 "time_s": self.time_s, "bound": self.bound, "standard_tflops": self.standard_tflops,
                 "peak_hbm_bytes": self.cost.peak_hbm_bytes, "fits_hbm": self.fits_hbm,
+                "transcendentals": self.cost.transcendentals, "vector_s": self.vector_s,
                 "vmem_bytes": self.cost.vmem_bytes, "fits_vmem": self.fits_vmem, "label": "modelled"}
 
 

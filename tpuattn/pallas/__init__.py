@@ -100,6 +100,8 @@ register(
     partial_rank=lambda spec, backend: 0.0 if backend == "tpu" else None,
     # logsumexp and delta are kept 128 lanes wide (f32), head_dim padded to 128, and the wrapper
     # copies Q, K, V, O (dO, dQ, dK, dV) to and from [batch, heads, seq, head_dim] around the kernels.
+    # The backward pads the saved logsumexp to 128 lanes for its q-major passes and transposes it for
+    # the dK/dV pass (backward.py): two more logsumexp-sized buffers.
     model=ScheduleModel(lse_row_bytes=4 * LANES, delta_row_bytes=4 * LANES, pads_head_dim=True,
-                        kernel_layout_copies=True),
+                        kernel_layout_copies=True, lse_copies_in_backward=2),
 )
