@@ -164,10 +164,12 @@ LAYERS = [
     ("tpuattn.measure",),
     ("tpuattn.model",),
     ("tpuattn.viz", "tpuattn.exercises"),
+    ("tpuattn.puzzles",),  # teaching: kernel puzzles, checked by the layers below
 ]
 # Inside a package whose files ARCHITECTURE.md orders, the same two rules, file by file.
 INSIDE = {
     "tpuattn.pallas": [("compat",), ("layout",), ("blocks",), ("plan",), ("forward", "backward"), ("vjp",)],
+    "tpuattn.puzzles": [("core",), ("forward", "backward")],
 }
 
 

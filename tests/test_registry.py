@@ -48,7 +48,8 @@ def test_importing_the_bottom_layers_loads_no_implementation():
         loaded = sorted(m for m in sys.modules if m.startswith(prefixes) or m in ("tpuattn.impl",))
         assert not loaded, loaded
         # Names are known without importing anything.
-        assert tpuattn.known_implementations() == ("reference", "xla", "blockwise", "pallas", "splash", "tokamax")
+        assert tpuattn.known_implementations() == ("reference", "xla", "blockwise", "pallas", "splash",
+                                                   "tokamax")
         assert tpuattn.decode.known_implementations()[:2] == ("reference", "pallas")
         assert not [m for m in sys.modules if m.startswith(prefixes)]
         # A named implementation imports its own module only.

@@ -189,7 +189,7 @@ def test_parallel_with_sinks_matches_the_oracle(case):
     q, k, v = random_qkv(rng, 32, 32, batch=2, q_heads=4, kv_heads=2, head_dim=8)
     d_out = rng.standard_normal(q.shape).astype(np.float32)
     sinks = np.array(sinks, np.float32)
-    n = dict(axes)["s"] if "s" in dict(axes) else 1
+    n = dict(axes).get("s", 1)
     zig = call.get("layout") == "zigzag"
     to = (lambda x: parallel.to_zigzag(x, n)) if zig else (lambda x: x)
     back = (lambda x: parallel.from_zigzag(np.asarray(x), n)) if zig else np.asarray
