@@ -233,7 +233,8 @@ DECODE_GRID = (len(DECODE_LENGTHS), DECODE_CHUNKS, PAGES_PER_CHUNK)
 
 def decode_tables():
     """``(page_table [B, PAGES_PER_SEQ], lengths [B])`` int32: pages handed out in a shuffled order;
-    entries past a sequence's last page are padding (another sequence's page: never to be read)."""
+    entries past a sequence's last page are padding (pages of the pool that hold no token of it: never to
+    be read)."""
     rng = _rng(12)
     order = rng.permutation(NUM_PAGES)
     table = np.zeros((len(DECODE_LENGTHS), PAGES_PER_SEQ), np.int32)
