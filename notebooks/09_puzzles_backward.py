@@ -473,8 +473,9 @@ print("copies started by this map:", len(puzzles.fetches(q_index_map, puzzles.CA
 # `o = x @ y` with `x` `[16, 4096]`, `y` `[4096, 128]` and `o` in bfloat16, over a grid of 32 steps
 # along the reduction (blocks of 128). The inputs are non-negative, so the sums grow to about a
 # thousand (printed below). The kernel below compiles and runs. Its output is off by more than the one
-# rounding a bfloat16 output costs, and `check`'s tolerance (twice that rounding, `2⁻⁸` relative) says
-# so. Why? (A float32 scratch `acc_ref` is provided and unused.)
+# rounding a bfloat16 output costs (at most half a spacing: `2⁻⁸` relative, since bfloat16 keeps 8
+# significant bits), and `check`'s tolerance (twice that, `2⁻⁷`) says so. Why? (A float32 scratch
+# `acc_ref` is provided and unused.)
 
 # %% tags=["puzzle"]
 def bf16_kernel(x_ref, y_ref, o_ref, acc_ref):

@@ -547,11 +547,12 @@ def _bf16_inputs():
     return np.asarray(jnp.asarray(x, jnp.bfloat16)), np.asarray(jnp.asarray(y, jnp.bfloat16))
 
 
-# The output is bfloat16: rounding it once is off by at most half its spacing, 2**-9 = 0.2% relative;
-# the tolerance is twice that. Rounding the running sum 32 times is off by far more.
+# The output is bfloat16 (8 significant bits): rounding it once is off by at most half its spacing,
+# at most 2**-8 = 0.39% relative; the tolerance is twice that. Rounding the running sum at each of the
+# 32 steps is off by more.
 BF16_ACC = register(Puzzle(
     "D. find the bug: a bfloat16 accumulator", _build_bf16, _bf16_inputs,
-    lambda x, y: np.asarray(x, np.float64) @ np.asarray(y, np.float64), rtol=2.0 ** -8, atol=0.0,
+    lambda x, y: np.asarray(x, np.float64) @ np.asarray(y, np.float64), rtol=2.0 ** -7, atol=0.0,
     kind="bug"))
 
 
