@@ -437,6 +437,11 @@ def test_a_misspelt_schedule_model_field_is_an_error():
                                                               lse_copies_in_backward=2)
     with pytest.raises(ValueError, match=r"^lse_copies_in_backward: expected an int >= 0, got True"):
         ScheduleModel(lse_copies_in_backward=True)
+    with pytest.raises(ValueError, match=r"^lse_written_row_bytes: expected a positive int"):
+        ScheduleModel(lse_written_row_bytes=0)
+    # splash's forward writes 128 lanes of logsumexp a row; its backward reads one float32
+    splash = roofline.schedule_model("splash")
+    assert (splash.lse_written_row_bytes, splash.lse_row_bytes, splash.forward_saves_lse) == (512, 4, False)
 
 
 def test_the_roofline_reads_the_record_by_attribute_and_refuses_anything_else(monkeypatch):

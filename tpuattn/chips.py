@@ -111,6 +111,8 @@ NAMES = tuple(CHIPS)
 # writes the same figure as 2575 GiBps). The table takes the source's 2.765e12; chip_spec(source="jax")
 # still reads JAX's own figure.
 V5P_HBM_BANDWIDTH_SOURCE = "https://cloud.google.com/tpu/docs/v5p (HBM2e bandwidth 2765 GBps)"
+# Figures of CHIPS that are not JAX's, per chip: what they are and where they come from.
+NOT_FROM_JAX = {"v5p": f"HBM bandwidth from {V5P_HBM_BANDWIDTH_SOURCE}"}
 
 # ICI: "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip)": 400 GBps with 4 ICI ports
 # on v5e (https://cloud.google.com/tpu/docs/v5e, 2D torus) and 1200 GBps on v5p

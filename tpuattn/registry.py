@@ -66,6 +66,8 @@ class ScheduleModel:
       pads_head_dim: flash: the kernel pads head_dim to the 128 lanes (moves and multiplies the pad).
       kernel_layout_copies: flash: the wrapper copies Q, K, V and O (dO, dQ, dK, dV) to and from
         ``[batch, heads, seq, head_dim]`` around the kernel.
+      lse_written_row_bytes: flash: bytes per query row of the logsumexp as the forward kernel writes
+        it, where wider than what the backward reads (``None``: ``lse_row_bytes``).
       forward_saves_lse: flash: a forward-only call writes the logsumexp too (splash's forward without
         residuals does not).
       lse_copies_in_backward: flash: buffers the backward makes of the saved logsumexp, each
@@ -77,6 +79,7 @@ class ScheduleModel:
     delta_row_bytes: int = 4
     pads_head_dim: bool = False
     kernel_layout_copies: bool = False
+    lse_written_row_bytes: int | None = None
     forward_saves_lse: bool = True
     lse_copies_in_backward: int = 0
 
@@ -89,8 +92,10 @@ class ScheduleModel:
         copies = self.lse_copies_in_backward
         if isinstance(copies, bool) or not isinstance(copies, int) or copies < 0:
             raise ValueError(f"lse_copies_in_backward: expected an int >= 0, got {copies!r}")
-        for field in ("lse_row_bytes", "delta_row_bytes"):
+        for field in ("lse_row_bytes", "delta_row_bytes", "lse_written_row_bytes"):
             value = getattr(self, field)
+            if field == "lse_written_row_bytes" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{field}: expected a positive int (bytes per row), got {value!r}")
 

@@ -290,9 +290,9 @@ register("splash", splash_attention, supports=splash_supports, available=_splash
          auto_rank=splash_auto_rank, interpreted_off_tpu=True, schedule="flash",
          default_blocks=default_blocks, options=SPLASH_OPTIONS,
          # The adapter transposes Q, K, V to [batch, heads, seq, head_dim] (and O back); for the
-         # backward the kernel saves its float32 logsumexp 128 lanes wide (its residual is
-         # [heads, q_len, NUM_LANES], splash_attention_kernel.py), and without residuals none; delta
-         # is one float32 per row.
-         model=ScheduleModel(lse_row_bytes=512, delta_row_bytes=4, kernel_layout_copies=True,
-                             forward_saves_lse=False),
+         # backward the forward kernel writes its float32 logsumexp 128 lanes wide ([heads, q_len,
+         # NUM_LANES], splash_attention_kernel.py; the residual is lane 0 of it, one float32 a row,
+         # what the backward reads), and without residuals none; delta is one float32 per row.
+         model=ScheduleModel(lse_row_bytes=4, lse_written_row_bytes=512, delta_row_bytes=4,
+                             kernel_layout_copies=True, forward_saves_lse=False),
          description="JAX's splash-attention Pallas kernel (TPU; interpret mode elsewhere)")

@@ -156,7 +156,9 @@ def _from_table(chip: chips.Chip) -> ChipSpec:
     device = chip.per_device()
     return ChipSpec(name=chip.name, bf16_flops=device["bf16_flops"], hbm_bandwidth=device["hbm_bandwidth"],
                     hbm_capacity=device["hbm_bytes"], vmem_bytes=chip.vmem_bytes,
-                    tensor_cores=chip.cores_per_device, source="tpuattn.chips (JAX's tpu_info table)",
+                    tensor_cores=chip.cores_per_device,
+                    source="tpuattn.chips (JAX's tpu_info table" + (
+                        f"; {chips.NOT_FROM_JAX[chip.name]})" if chip.name in chips.NOT_FROM_JAX else ")"),
                     kernel_vmem_bytes=chip.kernel_vmem_bytes, ici_link_bandwidth=device["ici_link_bandwidth"])
 
 
@@ -483,9 +485,10 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     widen = d / spec.head_dim  # the kernel layout's head_dim over the contract's
     rows = spec.batch * spec.num_q_heads * spec.q_len
     lse, delta = rows * lse_row, rows * delta_row
+    written = rows * (params.lse_written_row_bytes or lse_row)  # the logsumexp as the forward writes it
     copies = params.kernel_layout_copies
     if mode == "fwd+bwd" or params.forward_saves_lse:
-        breakdown.append(("write logsumexp", lse))
+        breakdown.append(("write logsumexp", written))
     if copies:
         breakdown.append(("wrapper: Q, K, V into the kernel layout (read + write)",
                           (1 + widen) * (q_bytes + 2 * kv_bytes)))
@@ -510,12 +513,14 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
         if copies or widen > 1:
             temps.append(("O from the kernel", widen * q_bytes, "temp"))
         if params.forward_saves_lse:
-            temps.append(("logsumexp (unread)", lse, "unread"))
+            temps.append(("logsumexp (unread)", written, "unread"))
     else:
         temps.append(("O from the kernel (the backward's residual)", widen * q_bytes, "copy"))
         if copies:
             temps.append(("dO in the kernel layout", widen * q_bytes, "copy"))
-        for n in range(max(1, params.lse_copies_in_backward)):
+        if params.lse_copies_in_backward == 0:
+            temps.append(("logsumexp as the forward wrote it", written, "temp"))
+        for n in range(params.lse_copies_in_backward):
             temps.append((f"logsumexp as the backward reads it ({n + 1})", lse, "temp"))
         temps.append(("delta", delta, "temp"))
         if widen > 1:  # the kernels' padded gradients are buffers of their own
