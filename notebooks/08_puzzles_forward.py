@@ -33,7 +33,8 @@
 # then compiles it for a TPU v5e with the real TPU compiler (compiled, not run: no TPU is needed),
 # and prints one line: `PASS`, `not written yet`, the first mismatch, a race, or the compiler's
 # message. Replace each `raise NotImplementedError` with your code and run the check. Every puzzle has
-# a hidden solution cell after its check: try first.
+# a hidden solution cell after its check: try first. Each heading gives the puzzle's difficulty (★☆☆
+# to ★★★) and the minutes it takes at a workshop.
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/08_puzzles_forward.ipynb)
 
@@ -86,7 +87,7 @@ def picture(n_panels=1, width=3.2, height=2.4):
 
 
 # %% [markdown]
-# ## Puzzle 1 · copy
+# ## Puzzle 1 · copy (★☆☆, 5 min)
 #
 # `x` is `[16, 256]` float32. The grid is `(2, 2)`; at step `(i, j)` the BlockSpecs hand your kernel
 # the `(8, 128)` block `x[8i : 8i+8, 128j : 128j+128]` as `x_ref` and the matching block of the output
@@ -121,7 +122,7 @@ def copy_kernel(x_ref, o_ref):
 passed = check(puzzles.COPY, copy_kernel, chip=CHIP)
 
 # %% [markdown]
-# ## Puzzle 2 · bias add: the BlockSpecs
+# ## Puzzle 2 · bias add: the BlockSpecs (★☆☆, 5 min)
 #
 # `out[r, c] = x[r, c] + bias[0, c]` with `x` `[16, 512]` and `bias` `[1, 512]`. The kernel body is
 # given (`o_ref[...] = x_ref[...] + bias_ref[...]`, a `(1, 128)` row broadcast over 8 rows) and the
@@ -160,7 +161,7 @@ def add_specs():
 passed = check(puzzles.ADD, add_specs, chip=CHIP)
 
 # %% [markdown]
-# ## Puzzle 3 · matmul with a float32 accumulator
+# ## Puzzle 3 · matmul with a float32 accumulator (★★☆, 10 min)
 #
 # `o = x @ y` with `x` `[32, 256]` and `y` `[256, 256]` in **bfloat16**, `o` in bfloat16. The grid is
 # `(i, j, k) = (2, 2, 2)`: at step `(i, j, k)` you get `x_ref` = block `(i, k)` of shape `(16, 128)`,
@@ -213,7 +214,7 @@ def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
 passed = check(puzzles.MATMUL, matmul_kernel, chip=CHIP)
 
 # %% [markdown]
-# ## Puzzle 4 · row softmax
+# ## Puzzle 4 · row softmax (★☆☆, 5 min)
 #
 # `x` is `[16, 256]` float32, scaled so that some entries pass 88.7 (printed below): `exp` of them
 # overflows float32, whose largest value is about `3.4e38 ≈ exp(88.7)`. The grid is `(2,)`; each
@@ -248,7 +249,7 @@ def softmax_kernel(x_ref, o_ref):
 passed = check(puzzles.SOFTMAX, softmax_kernel, chip=CHIP)
 
 # %% [markdown]
-# ## Puzzle 5 · the flash forward (online softmax)
+# ## Puzzle 5 · the flash forward (online softmax) (★★★, 15 min)
 #
 # One head: `q` `[32, 128]`, `k` and `v` `[256, 128]`, float32; `o = softmax(q kᵀ · scale) v` with
 # `scale = puzzles.SCALE` (`1/√128`). The grid is `(query blocks, kv blocks) = (2, 2)`; step `(i, j)`
@@ -307,7 +308,7 @@ def flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
 passed = check(puzzles.FLASH, flash_kernel, chip=CHIP)
 
 # %% [markdown]
-# ## Puzzle 6 · causal skip: a clamped index map
+# ## Puzzle 6 · causal skip: a clamped index map (★★☆, 10 min)
 #
 # Causal attention, `q`, `k`, `v` `[256, 128]`, blocks of 64: a `(4, 4)` grid. Query block `i` sees
 # K/V blocks `0 … i`; the body (given) skips the compute of a hidden step with `pl.when(j <= i)`.
@@ -347,7 +348,7 @@ passed = check(puzzles.CAUSAL, kv_index_map, chip=CHIP)
 print("fetches, (step, block):", puzzles.fetched_blocks(kv_index_map, puzzles.CAUSAL_GRID))
 
 # %% [markdown]
-# ## Puzzle 7 · the scalar-prefetch schedule
+# ## Puzzle 7 · the scalar-prefetch schedule (★★★, 15 min)
 #
 # Now causal **and** a sliding window of 128 keys (query `r` sees key `c` iff `r - 128 < c ≤ r`):
 # the visible K/V blocks of a row no longer start at 0. Instead of a `(4, 4)` grid of mostly idle
@@ -397,7 +398,7 @@ def schedule_index_map(i, j, kv_blocks_ref, counts_ref):
 passed = check(puzzles.SCHEDULE, schedule_index_map, chip=CHIP)
 
 # %% [markdown]
-# ## Puzzle 8 · GQA folded into the rows: the BlockSpecs
+# ## Puzzle 8 · GQA folded into the rows: the BlockSpecs (★★☆, 10 min)
 #
 # Grouped-query attention: 4 query heads share 2 K/V heads (group of 2; query head `h` uses K/V head
 # `h // 2`). `q` `[4, 16, 128]` is reshaped (for free) to `[kv_heads, group, seq_q, head_dim] =
@@ -440,7 +441,7 @@ def gqa_specs():
 passed = check(puzzles.GQA, gqa_specs, chip=CHIP)
 
 # %% [markdown]
-# ## Find the bug A · a race
+# ## Find the bug A · a race (★★☆, 10 min)
 #
 # This kernel doubles `x` `[16, 128]`, copying it from HBM itself in two chunks of 8 rows into a VMEM
 # buffer with two slots (`buf`, `(2, 8, 128)`) and two DMA semaphores. It starts the second chunk's
@@ -504,7 +505,7 @@ def double_kernel(x_hbm, o_ref, buf, sem):
 passed = check(puzzles.RACE, double_kernel, chip=CHIP)
 
 # %% [markdown]
-# ## Find the bug B · the accumulator
+# ## Find the bug B · the accumulator (★☆☆, 5 min)
 #
 # Puzzle 3's matmul again (the same grid, blocks and scratch), written by someone else. It compiles
 # for v5e and it runs; its output is wrong. Why? (Hint: what is in `acc_ref` when an output block's
