@@ -109,8 +109,11 @@ def tn(a, b):
 # A flash backward never keeps `P`: it recomputes each tile as `P = exp(S − lse)` from the forward's
 # per-row logsumexp `lse`, and takes `δ` from a small first pass (bug E below is that pass). Both
 # arrive as `[256, 1]` float32 columns, so a `(64, 1)` block of them lines up with a `(64, 128)`
-# block of rows. Puzzles 9 and 10 split the work as FlashAttention-2 does: one kernel owns a block of
-# dQ and loops over K/V; another owns a block of dK and dV and loops over Q.
+# block of rows. Puzzles 9 and 10 split the work as JAX's own Pallas TPU kernels do (flash attention's
+# `_flash_attention_bwd_dq` and `_flash_attention_bwd_dkv`, splash's `_splash_attention_bwd_dq` and
+# `_splash_attention_bwd_dkv`): one kernel owns a block of dQ and loops over K/V; another owns a block
+# of dK and dV and loops over Q. (FlashAttention-2 on GPUs instead loops over K/V once and adds into dQ
+# with atomic adds.)
 
 # %% [markdown]
 # ## Puzzle 9 · the dQ kernel
@@ -318,9 +321,9 @@ check(puzzles.MASKED, masked_kernel, chip=CHIP)
 # - `page_index_map(b, c, p, page_table_ref, lengths_ref)` → `(page, 0, 0)`: the K/V page step
 #   `(b, c, p)` reads (the page table and lengths are scalar-prefetch arrays in SMEM). A step past the
 #   sequence's last page must fetch nothing new: re-name its last page, as in puzzle 6. Write integer
-#   division as `jax.lax.div(a, b)` (the lengths are positive): `//` on int32 lowers through `sign`,
-#   whose lowering asks the local device for its TPU generation, which this compile-only setup (a CPU
-#   host) does not have.
+#   division as `jax.lax.div(a, b)` (the lengths are positive): on JAX 0.10.2, `//` on int32 lowers
+#   through `sign`, whose TPU lowering asks the local device for its TPU generation, which a
+#   compile-only setup on a CPU host does not have (JAX 0.7.2 compiles `//` here).
 # - `merge(out, m, l)` with `out` `[2, 2, 8, 128]`, `m`, `l` `[2, 2, 8, 1]` (`[sequence, chunk, head, …]`)
 #   → `[2, 8, 128]`: weigh each chunk by `l · exp(m − max m)`; an empty chunk must weigh 0.
 
@@ -581,7 +584,9 @@ check(puzzles.TILE_RULE, delta_block_spec, chip=CHIP)
 # ## References
 #
 # - T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023,
-#   arXiv:2307.08691 (the backward's recomputation, `δ`, and its split into dQ and dK/dV loops).
+#   arXiv:2307.08691 (the backward's recomputation from the logsumexp, and `δ`).
+# - JAX's Pallas TPU kernels, in the installed `jax` package: `jax/experimental/pallas/ops/tpu/
+#   flash_attention.py` and `splash_attention/splash_attention_kernel.py` (separate dQ and dK/dV kernels).
 # - Gemma Team, "Gemma 2: Improving Open Language Models at a Practical Size", 2024, arXiv:2408.00118
 #   (logit soft-capping); A. Q. Jiang et al., "Mistral 7B", 2023, arXiv:2310.06825 (sliding window).
 # - W. Kwon et al., "Efficient Memory Management for Large Language Model Serving with
