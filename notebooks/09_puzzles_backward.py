@@ -116,7 +116,7 @@ def tn(a, b):
 # with atomic adds.)
 
 # %% [markdown]
-# ## Puzzle 9 · the dQ kernel
+# ## Puzzle 9 · the dQ kernel (★★☆, 15 min)
 #
 # One head, non-causal: `q`, `k`, `v`, `do` `[256, 128]` float32, `lse` and `delta` `[256, 1]`. The
 # grid is `(query blocks, kv blocks) = (4, 2)`; step `(i, j)` gets `q_ref`, `do_ref` `(64, 128)`,
@@ -168,7 +168,7 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref):
 check(puzzles.DQ, dq_kernel, chip=CHIP)
 
 # %% [markdown]
-# ## Puzzle 10 · the dK/dV kernel
+# ## Puzzle 10 · the dK/dV kernel (★★☆, 15 min)
 #
 # The same arrays; now the grid is `(kv blocks, query blocks) = (2, 4)` and the query axis is the
 # reduction. Step `(j, i)` gets the same blocks as in puzzle 9, and two outputs `dk_ref`, `dv_ref`
@@ -224,7 +224,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, 
 check(puzzles.DKV, dkv_kernel, chip=CHIP)
 
 # %% [markdown]
-# ## Puzzle 11 · softcap and a sliding window, inside a tile
+# ## Puzzle 11 · softcap and a sliding window, inside a tile (★★★, 15 min)
 #
 # Back to the forward, with two of the contract's options. `q`, `k`, `v` `[256, 128]`, blocks of 64,
 # grid `(4, 4)`, the scratch of puzzle 5 (`m_ref`, `l_ref` `(64, 1)`, `acc_ref` `(64, 128)`):
@@ -301,7 +301,7 @@ def masked_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
 check(puzzles.MASKED, masked_kernel, chip=CHIP)
 
 # %% [markdown]
-# ## Puzzle 12 · split-K decode over pages
+# ## Puzzle 12 · split-K decode over pages (★★★, 20 min)
 #
 # Decoding: each sequence adds **one** query token, with 8 query heads sharing one K/V head (the heads
 # are the 8 rows of a tile, as in puzzle 8). The KV cache is a pool of pages, `k_pages`, `v_pages`
@@ -379,7 +379,7 @@ print("page fetches:", len(puzzles.fetches(index_map, puzzles.DECODE_GRID, table
       "of", int(np.prod(puzzles.DECODE_GRID)), "grid steps")
 
 # %% [markdown]
-# ## Puzzle 13 · one ring step with `ppermute`
+# ## Puzzle 13 · one ring step with `ppermute` (★★☆, 15 min)
 #
 # Ring attention shards the sequence over devices: each of 4 devices holds 32 queries and one block of
 # 32 keys and values. In 4 steps every device sees every K/V block: at each step it attends its
@@ -432,7 +432,7 @@ def ring_step(q, k, v, out, m, l):  # noqa: E741
 check(puzzles.RING, ring_step, chip=CHIP)
 
 # %% [markdown]
-# ## Find the bug C · fetching hidden blocks
+# ## Find the bug C · fetching hidden blocks (★★☆, 10 min)
 #
 # A causal dK/dV kernel (puzzle 10's body with a causal mask, blocks of 64 on both sides, grid
 # `(kv block j, query block i) = (4, 4)`). K/V block `j` is seen only by query blocks `i ≥ j`; the body
@@ -471,7 +471,7 @@ check(puzzles.CAUSAL_DKV, q_index_map, chip=CHIP)
 print("copies started by this map:", len(puzzles.fetches(q_index_map, puzzles.CAUSAL_GRID)))
 
 # %% [markdown]
-# ## Find the bug D · a bfloat16 accumulator
+# ## Find the bug D · a bfloat16 accumulator (★☆☆, 5 min)
 #
 # `o = x @ y` with `x` `[16, 4096]`, `y` `[4096, 128]` and `o` in bfloat16, over a grid of 32 steps
 # along the reduction (blocks of 128). The inputs are non-negative, so the sums grow to about a
@@ -525,7 +525,7 @@ got = np.asarray(puzzles.BF16_ACC.build(bf16_kernel, interpret=True)(x, y), np.f
 print(f"largest relative error now: {np.abs(got / exact - 1).max():.2%}")
 
 # %% [markdown]
-# ## Find the bug E · the tile rule
+# ## Find the bug E · the tile rule (★☆☆, 5 min)
 #
 # The backward's first pass, `delta = rowsum(dO ∘ O)`, `o` and `do` `[256, 128]` float32, `delta`
 # `[256, 1]`. The body (given) adds each block's row sums into `delta` along a second grid axis, so
