@@ -43,6 +43,10 @@ The full run's stages, cheapest first:
                       papermill (``RUN_MEMORY = False``). The command ends with the matrix as a Markdown
                       table (release, libtpu, what passed; 0.7.2 and 0.10.2 from their full stages):
                       the README shows it.
+* ``dry-run``         notebooks 03-05 (the ones whose TPU-runtime paths differ) under papermill on JAX
+                      0.10.2 with a CPU standing in for a TPU v5e (``TPUATTN_STAND_IN_TPU=v5e``,
+                      ``tpuattn.measure.runtime``), at small sizes: every ``ON_TPU`` cell's Python runs,
+                      kernels in interpret mode; nothing printed is a TPU number, nothing is compared
 * ``book``            ``ci/book.py`` builds the site in ``out/book/`` from the committed outputs;
                       ``ci/browser_check.py`` opens every page in headless chromium (console errors,
                       failed or external loads, broken links and anchors, alt text) and takes
@@ -50,9 +54,9 @@ The full run's stages, cheapest first:
 * ``lab``             ``ci/lab_check.py``: notebook 03 run in JupyterLab in chromium, a slider of its grid
                       widget moved and the figure seen to change (screenshots before and after)
 
-When the full command runs, ``papermill-jax0.7.2``, ``releases`` and ``book`` are one pool of jobs run
-two at a time, longest first (each notebook's kernel, each pytest, the book's build and browser check
-compute on about one core); their table rows say so. ``lab`` runs after them, alone.
+When the full command runs, ``papermill-jax0.7.2``, ``releases``, ``dry-run`` and ``book`` are one pool
+of jobs run two at a time, longest first (each notebook's kernel, each pytest, the book's build and
+browser check compute on about one core); their table rows say so. ``lab`` runs after them, alone.
 The pytest stages run two workers (``-n 2 --dist worksteal``).
 
 The book and lab stages need Debian's chromium (``/usr/bin/chromium``): as root the command installs
@@ -81,7 +85,7 @@ import _venv  # noqa: E402
 ROOT = _venv.ROOT
 NOTEBOOKS = ROOT / "notebooks"
 STAGES = ("ruff", "pairs", "unit-jax0.10.2", "unit-jax0.7.2", "compile", "compile-jax0.7.2", "nbval",
-          "papermill-jax0.7.2", "releases", "book", "lab")
+          "papermill-jax0.7.2", "releases", "dry-run", "book", "lab")
 # The release matrix: the releases between the two the full stages test get the smoke subset only.
 MIDDLE_RELEASES = tuple(v for v in _venv.RELEASES if _venv.ENVS[v] not in (_venv.MAIN, _venv.JAX_0_7))
 RELEASE_NOTEBOOKS = ("01", "02", "03")
@@ -241,12 +245,15 @@ class Job:
     end: float = 0.0
 
 
-def notebook_job(stage: str, release: str, stem: str, tmp: Path, parameters: dict) -> Job:
+def notebook_job(stage: str, release: str, stem: str, tmp: Path, parameters: dict, *,
+                 extra_env: dict | None = None, label: str | None = None) -> Job:
     """One notebook executed top to bottom with papermill on ``release``'s kernel (``ci/notebooks.py
-    --jax``); the executed copy and figures go to ``tmp``."""
-    env = {**os.environ, "TPUATTN_FIGURES_DIR": str(tmp / "figures"), **_venv.CPU_WITH_TPU_COMPILER}
+    --jax``); the executed copy and figures go to ``tmp``; ``extra_env`` is added to its kernel's."""
+    env = {**os.environ, "TPUATTN_FIGURES_DIR": str(tmp / "figures"), **_venv.CPU_WITH_TPU_COMPILER,
+           **(extra_env or {})}
+    label = label or f"{release} {stem}"
     cmd = [str(_venv.MAIN.python), str(ROOT / "ci" / "notebooks.py"), "--jax", release,
-           "--out", str(tmp / f"notebooks-{release}"), stem]
+           "--out", str(tmp / f"notebooks-{label.replace(' ', '-')}"), stem]
     for name, value in parameters.items():
         cmd += ["-p", name, repr(value)]
 
@@ -256,7 +263,7 @@ def notebook_job(stage: str, release: str, stem: str, tmp: Path, parameters: dic
         return result.returncode == 0, f"$ {' '.join(cmd[1:])}\n{result.stdout}"
 
     size = (NOTEBOOKS / f"{stem}.ipynb").stat().st_size
-    return Job(stage, f"{release} {stem}", run, weight=size)
+    return Job(stage, label, run, weight=size)
 
 
 def pytest_job(stage: str, label: str, env: _venv.Env, args: list[str], variables: dict) -> Job:
@@ -312,6 +319,31 @@ def release_jobs(tmp: Path) -> list[Job]:
     return jobs
 
 
+# The dry run: the notebooks whose TPU-runtime paths differ from their CPU ones, executed on JAX 0.10.2
+# with a CPU standing in for a TPU v5e (TPUATTN_STAND_IN_TPU: tpuattn.measure.runtime), so that the
+# Python of every ON_TPU cell runs in CI: Pallas kernels in interpret mode, device memory the child
+# process's RSS. Their sizes are made small here (the TPU sizes would take hours in interpret mode);
+# nothing they print is a TPU number and nothing is compared.
+DRY_RUN_CHIP = "v5e"
+DRY_RUN = {
+    "03": {"BENCH_SEQ_LENS": [256], "BENCH_BATCH": 1, "BENCH_HEADS": 2, "BENCH_HEAD_DIM": 128},
+    "04": {"TIMING_LENGTHS": [128], "ERROR_LENGTHS": [128]},
+    "05": {"TPU_SEQ_LENS": [128], "TPU_BATCH": 1, "TPU_HEADS": 2, "TPU_KV_HEADS": 2, "TPU_HEAD_DIM": 128,
+           "INTERPRET_SEQ_LENS": [128], "MEMORY_SEQ_LENS": [256]},
+}
+
+
+def dry_run_jobs(tmp: Path) -> list[Job]:
+    """``dry-run``: :data:`DRY_RUN`'s notebooks under papermill with a CPU standing in for a TPU."""
+    jobs = []
+    for p in notebook_files(".ipynb"):
+        if p.stem[:2] in DRY_RUN:
+            jobs.append(notebook_job("dry-run", "0.10.2", p.stem, tmp, DRY_RUN[p.stem[:2]],
+                                     extra_env={"TPUATTN_STAND_IN_TPU": DRY_RUN_CHIP},
+                                     label=f"dry-run {p.stem}"))
+    return jobs
+
+
 def book_job(actions: dict) -> Job:
     def run() -> tuple[bool, str]:
         _CAPTURE.lines = []
@@ -324,7 +356,7 @@ def book_job(actions: dict) -> Job:
     return Job("book", "book", run, weight=float("inf"))  # first: its browser check is long
 
 
-POOLED = ("papermill-jax0.7.2", "releases", "book")
+POOLED = ("papermill-jax0.7.2", "releases", "dry-run", "book")
 
 
 def pooled(stages: list[str], actions: dict) -> tuple[list[tuple[str, float, str, str]], list[Job]]:
@@ -345,6 +377,8 @@ def pooled(stages: list[str], actions: dict) -> tuple[list[tuple[str, float, str
             jobs += papermill_jobs(Path(tmp))
         if "releases" in wanted:
             jobs += release_jobs(Path(tmp))
+        if "dry-run" in wanted:
+            jobs += dry_run_jobs(Path(tmp))
         jobs.sort(key=lambda job: -job.weight)
 
         def go(job: Job) -> None:

@@ -376,7 +376,9 @@ print("  splash.make_splash_mha takes interpret=:",
 # * **measured** on this machine: wall-clock of the compiled implementations (`tpuattn.measure.timing`:
 #   compile separately, warm up, median of repeats). The Pallas kernels are timed only on a TPU
 #   (in bf16 with 8 heads of 128 there): off a TPU they run in interpret mode, which says nothing
-#   about kernel speed, so they are left out here rather than drawn beside compiled code.
+#   about kernel speed, so they are left out here rather than drawn beside compiled code. That TPU
+#   path is written for a TPU runtime and has not been run on one by the project (the test command
+#   runs its Python with a CPU standing in for a v5e, at small sizes).
 # * **modelled** for a TPU: the roofline lower bound from `tpuattn.roofline` (notebook 05 explains
 #   it): `xla` materialises the score matrix, `splash` streams tiles through VMEM and skips the masked
 #   ones.
@@ -389,7 +391,7 @@ print("  splash.make_splash_mha takes interpret=:",
 
 # %%
 timings = {}  # (impl, length) -> median seconds, forward, causal
-ON_TPU = PLATFORM.backend == "tpu"
+ON_TPU = PLATFORM.on_tpu
 # On a TPU the Pallas kernels compile, so they are timed too, at a shape people train with (bf16, 8
 # heads of 128); elsewhere only the compiled XLA paths, at the small float32 shape above.
 TIMED = ("reference", "blockwise", "xla") + (("pallas", "splash") if ON_TPU else ())
