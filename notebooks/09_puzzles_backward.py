@@ -549,7 +549,6 @@ def delta_block_spec():
 
 
 # %%
-# (The compiler's message names the kernel's source file by its path on this machine.)
 check(puzzles.TILE_RULE, delta_block_spec, chip=CHIP)
 
 

@@ -187,6 +187,10 @@ def test_stubs_fail_and_solutions_pass(path, monkeypatch, capsys):
         from tpuattn.puzzles import forward
 
         assert {p.name for p in forward.PUZZLES} <= set(solved)
+    if path.stem == "09_puzzles_backward":
+        from tpuattn.puzzles import backward
+
+        assert {p.name for p in backward.PUZZLES} <= set(solved)
     capsys.readouterr()
 
 

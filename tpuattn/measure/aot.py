@@ -156,8 +156,13 @@ def versions_text() -> str:
 
 
 def first_error_line(error: BaseException) -> str:
-    """The compiler's message in one line: its first error line, plus the sizes of a VMEM overflow."""
-    text = str(error)
+    """The compiler's message in one line: its first error line, plus the sizes of a VMEM overflow.
+
+    Terminal colour codes (JAX colours jaxprs it prints inside Jupyter) are removed and source paths
+    shortened to the file's name (``/home/me/tpuattn/puzzles/backward.py:564`` -> ``backward.py:564``),
+    so the message reads the same on every machine."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    text = re.sub(r"(?:[A-Za-z]:)?[/\\][^\s:'\"]*[/\\]([^/\\\s:'\"]+\.py)\b", r"\1", text)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     first = next((line for line in lines
                   if re.search(r"E\d{4}:|RESOURCE_EXHAUSTED|[Vv]mem|VMEM|out of memory|INTERNAL", line)),
