@@ -363,8 +363,10 @@ if RUN_MEMORY:
 #   go through HBM, and notebook 05's model finds that loop memory bound.
 #
 # The chip numbers (peak bfloat16 FLOP/s, HBM bandwidth, per JAX device) come from `tpuattn.chips`,
-# which copies JAX's own table; it agrees with Google Cloud's TPU pages
-# (https://cloud.google.com/tpu/docs/v5e, https://cloud.google.com/tpu/docs/v6e, ...).
+# which copies JAX's own table where it agrees with Google Cloud's TPU pages
+# (https://cloud.google.com/tpu/docs/v5e, https://cloud.google.com/tpu/docs/v6e, ...) and takes the
+# page's figure where it does not: v5p's HBM bandwidth, 2765 GB/s on https://cloud.google.com/tpu/docs/v5p
+# (JAX's table: 2460).
 
 # %%
 from tpuattn import chips
@@ -402,7 +404,8 @@ for seq in IO_LENGTHS:
                                             "write O"))
     assert tiles_only == flash_bytes(seq)
 
-print("per JAX device (a chip on v4, v5p; one TensorCore elsewhere), bfloat16; tpuattn.chips: JAX's table")
+print("per JAX device (a chip on v4, v5p; one TensorCore elsewhere), bfloat16; tpuattn.chips: JAX's table, "
+      "v5p's HBM bandwidth from Cloud's v5p page")
 print(f"{'chip':<6} {'peak TFLOP/s':>12} {'HBM GB/s':>9} {'ridge FLOP/byte':>16}")
 for name in chips.NAMES:
     chip = roofline.chip_spec(name)

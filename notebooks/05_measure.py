@@ -457,7 +457,8 @@ style.close(fig)
 # %% [markdown]
 # The stars sit below the roof by the fractions printed above (and beside each star); the dotted
 # line from each star up to the roof is what that run left on the table. The gap has causes the
-# model leaves out on purpose: the vector unit's share of the softmax (exp, max, rescaling),
+# model leaves out: the vector unit's share of the softmax (the model counts one exp per computed
+# score, `Cost.transcendentals`, but no chip has a published exp rate to turn that into time),
 # pipeline bubbles, launch overhead, and at small sizes a grid too short to fill the chip.
 
 # %% [markdown]
@@ -489,7 +490,9 @@ for chip_name, chip in chip_specs.items():
 # itself plans for the same program: its memory analysis (peak HBM), its cost analysis (bytes
 # accessed) and its own time estimate (`optimal_seconds`). The package ships one compile report
 # (`tpuattn.measure.aot.committed_report()`, made by the command it records); the test command
-# holds the model's peak HBM within 10% of the compiler's and checks the out-of-memory length. For the
+# holds the model's peak HBM within 10% of the compiler's on a whole grid (v5e and v6e, three lengths,
+# four implementations, both modes; the few cells where it does not hold are named, with what the
+# compiler did instead) and checks the out-of-memory length. For the
 # Pallas kernels the compiler's cost analysis only repeats the kernel's own `CostEstimate`, so only
 # their peak HBM is an independent check.
 
@@ -521,12 +524,16 @@ for row in report["rows"]:
               f"{roofline.materialise_crossover('v5e', mode=row['mode'], **kwargs):,} tokens")
 
 # %% [markdown]
-# Where every buffer is too large to stay on chip (the materialised rows at 8192 tokens) the
-# model's peak HBM matches the compiler's closely (the `model/compiler` column). Where the compiler can keep a
-# buffer in v5e's 128 MiB of VMEM -- the flash kernels' copies and outputs at these sizes -- its
-# peak is below the model's, which counts them in HBM; the test command checks the flash paths at
-# lengths where they cannot stay on chip. For traffic the model is optimistic instead: score
-# buffers that fit VMEM move no HBM bytes in it (a lower bound must not overcount). The bytes
+# The model places each buffer where the compiler's buffer assignment puts it: a layout copy that
+# is dead before the results are written shares a result's buffer; other temporaries stay in the
+# VMEM the kernels' scoped limit leaves (112 MiB of v5e's 128) while they fit; the rest is in HBM.
+# Every v5e row above then agrees with the compiler's peak within a few percent (the
+# `model/compiler` column) but one: splash's forward at 32768 tokens (384 MiB modelled, 449
+# compiled), where the compiler filled that VMEM with prefetched slices of splash's operands and
+# left all three 64 MiB layout buffers in HBM. For traffic the model is optimistic: score buffers
+# that stay on chip move no HBM bytes in it (a lower bound must not overcount). At 2048 tokens the
+# reference's 128 MiB float32 $S$ does not fit what the scoped limit leaves, so its passes count
+# (0.42 GB modelled, 0.47 accessed). The bytes
 # accessed of the materialised path are XLA's count of every fusion's operands, on chip or not; the
 # model's passes follow the same fusions (forward: $S$ written once in float32, read twice). XLA's
 # own time estimate and the roofline's lower bound are two models
@@ -538,8 +545,8 @@ for row in report["rows"]:
 # On a TPU runtime, each compiled row of section 2 is divided into the roofline lower bound for the
 # same shape on this chip: the **fraction of roofline** achieved (1.0 would be perfect; the published
 # runs of section 3 reached the range printed there, attention's softmax also loading the vector
-# unit, which the model leaves out). Off a TPU there is nothing to compare: the numbers above are
-# measured on this machine and the roofline is modelled.
+# unit, whose exps the model counts but cannot time). Off a TPU there is nothing to compare: the
+# numbers above are measured on this machine and the roofline is modelled.
 
 # %% tags=["nbval-ignore-output"]
 chip = chips.from_device_kind(PLATFORM.device_kind)

@@ -108,7 +108,8 @@ rng = np.random.default_rng(0)
 # FLOPs in the same ratio. A chip stops being memory-bound at its **ridge point**, peak FLOP/s over
 # HBM bandwidth, which is in the hundreds of FLOPs per byte. `tpuattn.model.decode` models one step
 # (every number below is **modelled**, a lower bound; chip figures from `tpuattn.chips`, JAX's
-# `tpu_info` table, which agrees with Google Cloud's TPU pages).
+# `tpu_info` table where it agrees with Google Cloud's TPU pages, the page's figure where it does not:
+# v5p's HBM bandwidth, 2765 GB/s, https://cloud.google.com/tpu/docs/v5p).
 
 # %%
 serve_lengths = [SERVE_LEN] * SERVE_BATCH
