@@ -1,0 +1,20 @@
+"""A small language model with tpuattn inside: train it, checkpoint it, serve it.
+
+* :mod:`.model`: a byte-level decoder-only transformer in Flax NNX (RMSNorm, RoPE, grouped-query
+  attention through :func:`tpuattn.attention` with ``impl=`` one argument, a SwiGLU MLP);
+* :mod:`.data`: the corpus the package ships (its own README prose) and training windows;
+* :mod:`.train`: next-byte cross-entropy and an optax training step;
+* :mod:`.serve`: prefill into a paged KV cache, then greedy decoding of many prompts together through
+  :func:`tpuattn.decode.attention` with continuous batching (a free list of pages), and
+  :func:`~.serve.recompute`, the cache-free check.
+
+Needs Flax and optax (``pip install tpuattn[flax]``); importing :mod:`tpuattn` does not import this.
+"""
+
+from tpuattn.lm.data import batches, corpus, decode_bytes, encode
+from tpuattn.lm.model import VOCAB, Config, PagedCache, Transformer
+from tpuattn.lm.serve import PageAllocator, Served, recompute, serve
+from tpuattn.lm.train import loss_fn, make_train_step, train
+
+__all__ = ["VOCAB", "Config", "PageAllocator", "PagedCache", "Served", "Transformer", "batches", "corpus",
+           "decode_bytes", "encode", "loss_fn", "make_train_step", "recompute", "serve", "train"]
