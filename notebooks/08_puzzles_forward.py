@@ -26,6 +26,7 @@
 #   softmax and the online-softmax (flash) forward;
 # - write the index maps that skip hidden blocks: clamped for a causal mask, read from a
 #   scalar-prefetch table for a sliding window;
+# - start the online softmax with an attention sink already in it;
 # - fold the query heads of a GQA group into the rows of one grid step;
 # - find and fix two bugs: a DMA race and a missing accumulator init.
 #
@@ -346,6 +347,39 @@ def kv_index_map(i, j):
 
 passed = check(puzzles.CAUSAL, kv_index_map, chip=CHIP)
 print("fetches, (step, block):", puzzles.fetched_blocks(kv_index_map, puzzles.CAUSAL_GRID))
+
+# %% [markdown]
+# ## Puzzle 6b · an attention sink in the running state (★☆☆, 5 min)
+#
+# Some models (gpt-oss, after Xiao et al.'s *attention sinks*, https://arxiv.org/abs/2309.17453) give
+# every row one more logit, the **sink** `z`, that takes softmax mass and adds no value:
+# `o = Σ_j e^{s_j} v_j / (e^{z} + Σ_j e^{s_j})`, so a row can attend to "nothing". In the online
+# softmax the sink is just one more part of the row, seen before the first key: a part whose running
+# max is `z`, whose running sum is `e^{z - z} = 1` and whose accumulator is 0. The kernel is puzzle
+# 6's causal flash kernel (given, with the clamped map); write only `init(m_ref, l_ref, acc_ref)`,
+# which starts every row's running state at the first K/V step, for the sink `puzzles.SINK`
+# (`tpuattn.attention(..., sinks=)` does the same for one sink per head, `tpuattn/sinks.py`).
+
+
+# %% tags=["puzzle"]
+def init(m_ref, l_ref, acc_ref):
+    raise NotImplementedError("start the running state (m, l, acc) with the sink already in it")
+
+
+# %%
+passed = check(puzzles.SINK_PUZZLE, init, chip=CHIP)
+
+
+# %% jupyter={"source_hidden": true} tags=["solution"]
+def init(m_ref, l_ref, acc_ref):
+    # Without a sink: m = -inf, l = 0, acc = 0. The sink is a part of the row already seen: its max is
+    # the sink's logit, its sum exp(z - z) = 1, and it adds nothing to the accumulator (no value).
+    m_ref[...] = jnp.full(m_ref.shape, puzzles.SINK, jnp.float32)
+    l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+passed = check(puzzles.SINK_PUZZLE, init, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 7 · the scalar-prefetch schedule (★★★, 15 min)

@@ -59,12 +59,18 @@ def _softmax64(s: np.ndarray) -> np.ndarray:
     return p / p.sum(axis=-1, keepdims=True)
 
 
-def _attention64(q, k, v, visible=None) -> np.ndarray:
+def _attention64(q, k, v, visible=None, sink=None) -> np.ndarray:
+    """softmax(q kᵀ / sqrt(d)) v over the visible keys; with ``sink`` (a logit), one more term
+    ``exp(sink)`` in every row's denominator that adds no value (an attention sink)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     s = q @ k.T / np.sqrt(q.shape[-1])
     if visible is not None:
         s = np.where(visible, s, -np.inf)
-    return _softmax64(s) @ v
+    if sink is None:
+        return _softmax64(s) @ v
+    top = np.maximum(s.max(axis=-1, keepdims=True), sink)
+    p = np.exp(s - top)
+    return (p @ v) / (p.sum(axis=-1, keepdims=True) + np.exp(sink - top))
 
 
 def causal_visible(seq: int) -> np.ndarray:
@@ -223,17 +229,23 @@ FLASH = register(Puzzle(
 # ---------------------------------------------------------------------------------------------------
 # The masked flash step the harness itself uses in puzzles 6 and 7 (the learner writes its index maps).
 
+def _empty_state(m_ref, l_ref, acc_ref):
+    """The running state before any key: max -inf, sum 0, accumulator 0."""
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
 def _masked_step(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, i, kv_block, first, last,
-                 visible, window):
+                 visible, window, init=_empty_state):
     """One online-softmax step of query block ``i`` against K/V block ``kv_block`` (both of size
-    CAUSAL_BLOCK), masked causally (and to ``window`` if given); ``first``/``last``/``visible``: bools."""
+    CAUSAL_BLOCK), masked causally (and to ``window`` if given); ``first``/``last``/``visible``: bools;
+    ``init(m_ref, l_ref, acc_ref)`` starts the running state at the first step."""
     block = CAUSAL_BLOCK
 
     @pl.when(first)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        init(m_ref, l_ref, acc_ref)
 
     @pl.when(visible)
     def _step():
@@ -327,6 +339,30 @@ CAUSAL = register(Puzzle(
     "6. causal skip, clamped index map", _build_causal, lambda: _attention_inputs(6, CAUSAL_SEQ),
     lambda q, k, v: _attention64(q, k, v, causal_visible(CAUSAL_SEQ)), rtol=1e-4, atol=1e-5,
     audit=_causal_audit))
+
+
+# 6b. an attention sink: one more logit in every row's softmax, with no value. The learner writes the
+# running state's start (the harness's causal kernel, with the clamped map, does the rest).
+
+SINK = 1.5  # the sink's logit (gpt-oss learns one per head; here one constant, a Python float)
+
+
+def _build_sink(init, *, interpret):
+    def body(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
+        i, j = pl.program_id(0), pl.program_id(1)
+        _masked_step(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, i=i, kv_block=j, first=j == 0,
+                     last=j == pl.num_programs(1) - 1, visible=j <= i, window=None, init=init)
+
+    def fn(q, k, v):
+        return _flash_call(body, q, k, v, grid=CAUSAL_GRID, q_map=lambda i, j: (i, 0),
+                           kv_map=lambda i, j: (jnp.minimum(i, j), 0), block_q=CAUSAL_BLOCK,
+                           block_kv=CAUSAL_BLOCK, interpret=interpret)
+    return fn
+
+
+SINK_PUZZLE = register(Puzzle(
+    "6b. an attention sink in the running state", _build_sink, lambda: _attention_inputs(66, CAUSAL_SEQ),
+    lambda q, k, v: _attention64(q, k, v, causal_visible(CAUSAL_SEQ), sink=SINK), rtol=1e-4, atol=1e-5))
 
 
 # 7. the scalar-prefetch schedule: a table of each query block's visible K/V blocks (causal + window),
@@ -450,7 +486,8 @@ MATMUL_BUG = register(Puzzle(
     "B. find the bug: the accumulator", _build_matmul, _matmul_inputs, _matmul64, rtol=1e-2, atol=5e-2,
     kind="bug"))
 
-PUZZLES = (COPY, ADD, MATMUL, SOFTMAX, FLASH, CAUSAL, SCHEDULE, GQA, RACE, MATMUL_BUG)
+PUZZLES = (COPY, ADD, MATMUL, SOFTMAX, FLASH, CAUSAL, SINK_PUZZLE, SCHEDULE, GQA, RACE, MATMUL_BUG)
 
 __all__ = ["PUZZLES", "causal_visible", "fetched_blocks", "window_schedule", "window_visible"] + [
-    "ADD", "CAUSAL", "COPY", "FLASH", "GQA", "MATMUL", "MATMUL_BUG", "RACE", "SCHEDULE", "SOFTMAX"]
+    "ADD", "CAUSAL", "COPY", "FLASH", "GQA", "MATMUL", "MATMUL_BUG", "RACE", "SCHEDULE", "SINK",
+    "SINK_PUZZLE", "SOFTMAX"]
