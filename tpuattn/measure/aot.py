@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -178,6 +179,65 @@ def _hlo_counts(text: str) -> tuple[int, int]:
     fusions = len(re.findall(r"^\s*(?:ROOT )?%?\S+ = \S+ fusion\(", text, flags=re.M))
     custom_calls = len(re.findall(r"custom-call\(", text))
     return fusions, custom_calls
+
+
+# ---------------------------------------------------------------------------- HBM-resident bytes
+_HLO_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
+              "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+_HLO_ARRAY = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
+_HLO_NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-done", "after-all",
+                   "partition-id", "iota"}
+
+
+def _hbm_array_bytes(shape: str) -> int:
+    """Bytes of the arrays of an HLO shape that live in HBM (a layout with ``S(1)`` is in VMEM)."""
+    total = 0
+    for dtype, dims, layout in _HLO_ARRAY.findall(shape):
+        if dtype in _HLO_BYTES and "S(1)" not in (layout or ""):
+            total += math.prod(int(d) for d in dims.split(",") if d) * _HLO_BYTES[dtype]
+    return total
+
+
+def hbm_resident_bytes(hlo_text: str) -> int:
+    """HBM bytes an optimised TPU program must move: every executed instruction's operands and results
+    that its buffer assignment placed in HBM, once each (a lower bound of its traffic; XLA's cost
+    analysis ``bytes accessed`` counts operands in VMEM too). A ``conditional`` counts its costlier
+    branch; a ``while`` loop raises (its trip count is not counted here). Reads the text of
+    ``compiled.as_text()``, whose layouts mark VMEM as ``S(1)``."""
+    comps, entry, current = {}, None, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(ENTRY )?%(\S+) .*\{\s*$", line)
+        if head:
+            current = head.group(2)
+            comps[current] = []
+            entry = current if head.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            inst = re.match(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)$", line)
+            if inst:
+                comps[current].append(inst.groups())
+    if entry is None:
+        raise ValueError("hlo_text: expected an optimised HLO module with an ENTRY computation, got none")
+
+    def walk(name: str) -> int:
+        shapes = {n: shape for n, shape, _, _ in comps[name]}
+        total = 0
+        for _, shape, op, rest in comps[name]:
+            if op in _HLO_NO_TRAFFIC:
+                continue
+            if op == "conditional":
+                branches = re.search(r"branch_computations=\{([^}]*)\}", rest).group(1)
+                total += max(walk(b.strip().lstrip("%")) for b in branches.split(","))
+                continue
+            if op == "while":
+                raise ValueError("hlo_text: a while loop; its trip count is not counted here")
+            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            total += sum(_hbm_array_bytes(shapes[o]) for o in operands if o in shapes)
+            total += 0 if op == "copy-start" else _hbm_array_bytes(shape)  # a prefetch writes VMEM
+        return total
+
+    return walk(entry)
 
 
 def compile_for(chip_name: str, fn, args):
