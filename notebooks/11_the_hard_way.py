@@ -141,7 +141,7 @@ if COMPILER:
 # 1. *"The Pallas TPU lowering currently requires that the last two dimensions of your block shape
 #    are divisible by 8 and 128 respectively, or be equal to the respective dimensions of the
 #    overall array."* It comes from **JAX's Pallas lowering** (Python, before libtpu sees anything):
-#    a `ValueError`, raised while the kernel is traced.
+#    a `ValueError`, raised while the kernel is lowered.
 # 2. *"Block spec for args[0] ... has block shape (Blocked(block_size=4), Blocked(block_size=128)),
 #    array shape (64, 256)"*: which operand (`args[0]`: the first input), the block it was given and
 #    the array it tiles. The fix is in the sublane dimension: 8 rows (or 16, 32, ...), never "make it
@@ -162,8 +162,8 @@ if COMPILER:
 
 # %% [markdown]
 # The check in Pallas is on multiples of 8 whatever the dtype, so a bfloat16 block of 8 rows
-# compiles here: Mosaic fills half of each packed tile. A block of 16 bfloat16 rows is the one
-# that fills whole tiles.
+# compiles here, though it covers half of a (16, 128) tile; a block of 16 bfloat16 rows (or a
+# multiple) covers whole tiles.
 #
 # ## 2 · bfloat16 matmuls on v2 and v3
 #
@@ -310,7 +310,8 @@ if COMPILER and aot.chip_known("v2"):
             read(error, lines=1)
 
 # %% [markdown]
-# Section 3's VMEM overflow is the same kind: it lowers, then Mosaic sizes its buffers and refuses.
+# Section 3's VMEM overflow is the same kind: it lowers, then the compiler sizes its buffers and
+# refuses.
 # A test that only lowers (or only runs in interpret mode) proves nothing about the compile.
 #
 # ## 7 · Interpret mode passes where the compiler refuses
@@ -330,10 +331,10 @@ print("bfloat16 matmul in interpret mode: correct (Mosaic refuses it for v2, sec
 
 # %% [markdown]
 # > **Takeaway.** Three gates, three kinds of message: JAX's Pallas lowering (`ValueError`: block
-# > shapes, unsupported primitives), Mosaic (`MosaicError`/`INTERNAL`, `E2xxx`: what the chip's
-# > vector units support; scoped VMEM, `E1001`), and XLA:TPU's buffer assignment (`RESOURCE_EXHAUSTED`:
-# > SMEM, HBM). Interpret mode passes none of them; only a compile for the chip does, and a compile
-# > needs no TPU.
+# > shapes, unsupported primitives), libtpu's kernel compile (Mosaic's `INTERNAL`, `E2xxx` on JAX
+# > 0.10.2: what the chip's vector units support; scoped VMEM, `E1001`), and XLA:TPU's buffer
+# > assignment (`RESOURCE_EXHAUSTED`: SMEM, HBM). Interpret mode checks none of them; only a compile
+# > for the chip does, and a compile needs no TPU.
 #
 # ## 8 · A JAX upgrade break, and where the package contains it
 #
