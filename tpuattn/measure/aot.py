@@ -41,6 +41,9 @@ LABEL = "compiled (TPU compiler, not run)"
 # ``compile_error``: anything else the compiler refused -- for a supported input, a bug.
 STATUSES = ("ok", "out_of_memory", "compile_error", "unsupported")
 HBM_OOM = "Ran out of memory on HBM"
+# The compiler's HBM verdict as libtpu words it: "... on HBM" (JAX 0.10.2's) or, for some programs with
+# JAX 0.7.2's, "Ran out of memory in memory space hbm. Used 16.00G of 15.75G".
+HBM_OOM_PATTERN = re.compile(r"Ran out of memory (?:on HBM|in memory space hbm)")
 REPORT = Path(__file__).with_name("compiled_report.json")
 # impl="tokamax" beside splash and the package's kernel (v5e, v6e; tokamax needs JAX 0.9.2 or newer, so
 # it is a report of its own: the main one is remade on every supported compiler's JAX).
@@ -270,7 +273,7 @@ def compile_failure(error: BaseException) -> dict:
     """``status`` and ``error`` of a compile the compiler refused: ``out_of_memory`` for its own HBM
     verdict, ``compile_error`` for anything else."""
     message = first_error_line(error)
-    return dict(status="out_of_memory" if HBM_OOM in message else "compile_error", error=message)
+    return dict(status="out_of_memory" if HBM_OOM_PATTERN.search(message) else "compile_error", error=message)
 
 
 def compiled_facts(compiled) -> dict:
