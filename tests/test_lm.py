@@ -171,3 +171,12 @@ def test_importing_tpuattn_imports_neither_flax_nor_lm():
     code = "import sys, tpuattn; print('flax' in sys.modules, 'tpuattn.lm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_bfloat16_model_computes_and_caches_in_bfloat16():
+    model = lm.Transformer(lm.Config(d_model=32, layers=1, heads=4, kv_heads=2, mlp_dim=64, dtype="bfloat16"),
+                           rngs=nnx.Rngs(0))
+    _, kvs = model.prefill(_tokens(1, 8))
+    assert kvs[0][0].dtype == kvs[0][1].dtype == np.dtype("bfloat16")  # the KV cache's dtype
+    served = lm.serve(model, [lm.encode("ab")], 3, page_size=4, num_pages=4)  # q and cache agree in dtype
+    assert served.tokens[0].shape == (3,)

@@ -45,7 +45,7 @@ class Config:
     kv_heads: int = 2
     mlp_dim: int = 128
     rope_base: float = 10_000.0
-    dtype: str = "float32"  # activations and attention inputs; parameters stay float32
+    dtype: str = "float32"  # computation (activations, attention, KV cache); parameters stay float32
 
     def __post_init__(self):
         for name in ("d_model", "layers", "heads", "kv_heads", "mlp_dim"):
@@ -102,7 +102,7 @@ class Attention(nnx.Module):
 
     def __init__(self, config: Config, *, rngs: nnx.Rngs):
         c = config
-        linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)
+        linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, dtype=c.dtype, rngs=rngs)
         self.config = c
         self.query = linear(c.d_model, c.heads * c.head_dim)
         self.key = linear(c.d_model, c.kv_heads * c.head_dim)
@@ -141,7 +141,7 @@ class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, config: Config, *, rngs: nnx.Rngs):
-        linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)
+        linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, dtype=config.dtype, rngs=rngs)
         self.gate = linear(config.d_model, config.mlp_dim)
         self.up = linear(config.d_model, config.mlp_dim)
         self.down = linear(config.mlp_dim, config.d_model)
@@ -154,9 +154,9 @@ class Block(nnx.Module):
     """Pre-norm residual block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, config: Config, *, rngs: nnx.Rngs):
-        self.attention_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        self.attention_norm = nnx.RMSNorm(config.d_model, dtype=config.dtype, rngs=rngs)
         self.attention = Attention(config, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(config.d_model, dtype=config.dtype, rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, x, positions, impl):
@@ -189,9 +189,9 @@ class Transformer(nnx.Module):
             if not isinstance(value, str):
                 raise TypeError(f"{name}: expected an implementation name or 'auto', got {value!r}")
         self.config, self.impl, self.decode_impl = config, impl, decode_impl
-        self.embed = nnx.Embed(VOCAB, config.d_model, rngs=rngs)
+        self.embed = nnx.Embed(VOCAB, config.d_model, dtype=config.dtype, rngs=rngs)
         self.blocks = _Modules([Block(config, rngs=rngs) for _ in range(config.layers)])
-        self.final_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        self.final_norm = nnx.RMSNorm(config.d_model, dtype=config.dtype, rngs=rngs)
 
     def _tokens(self, tokens, ndim: int, name: str = "tokens"):
         tokens = jnp.asarray(tokens)
