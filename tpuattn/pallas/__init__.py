@@ -4,9 +4,15 @@ Use it through the contract::
 
     tpuattn.attention(q, k, v, causal=True, impl="pallas",
                       block_sizes=BlockSizes.uniform(128),   # optional
-                      interpret=None)                         # optional
+                      interpret=None,                         # optional
+                      backward="exact")                       # optional
 
 Options:
+  backward: ``"exact"`` (default; ``None`` means it) computes the backward's per-row ``delta`` as
+    ``rowsum(P * dP)`` in a pass of its own (9 matmuls per visible tile in all); ``"fast"`` as
+    ``rowsum(dO * O)`` from the forward's float32 output, outside the kernels (7 matmuls). See
+    ``backward.py`` for the accuracy each buys. Blocks of a larger problem (ring, sinks) always use
+    the exact row sums.
   block_sizes: ``None`` (defaults from the chip's VMEM, :func:`default_block_sizes`), an int
     (a multiple of 128, every pass), a :class:`ForwardBlocks` (forward; backward defaults) or a
     :class:`BlockSizes` (``forward=ForwardBlocks(block_q, block_kv)``,
@@ -36,7 +42,7 @@ Design in one paragraph each:
     in VMEM and K/V are never repeated.
   * Backward: FlashAttention-2 as three passes (row sums of P * dP, dQ, dK/dV), with the
     logsumexp saved as (max, log sum) for precision; see ``backward.py`` for why delta is the row
-    sum of P * dP.
+    sum of P * dP by default (``backward="fast"`` drops that pass).
 
 Files: ``compat.py`` (JAX 0.7.2 vs 0.10.2 only), ``blocks.py`` (sizes, VMEM model, defaults),
 ``layout.py`` (padding, kernel layout, tile masks), ``plan.py`` (schedule tables, index maps, the

@@ -23,14 +23,17 @@ Three passes, so that every output block is owned by one grid cell and no atomic
 
 All skip hidden tiles exactly as the forward does (:func:`tpuattn.pallas.plan.scheduled_step`).
 
-Which delta. ``rowsum(dO * O)`` equals ``rowsum(P * dP)`` in exact arithmetic and costs no pass,
-but ``O`` is rounded (to bf16 for bf16 inputs; by float32 for logits near 1e3), and for a row whose
-softmax is nearly one-hot ``dP_ij - delta_i`` must cancel to a small number -- which only the sum
-of the very ``P * dP`` tiles the kernels compute guarantees. With ``rowsum(dO * O)``, bf16 dQ on such
-rows was far less accurate than autodiff of the materialised reference, and float32 dK missed the
-oracle at logits of 1e3 (the oracle suite's large-logit case).
+Which delta (the ``backward`` option, :mod:`tpuattn.pallas.vjp`). ``rowsum(dO * O)`` equals
+``rowsum(P * dP)`` in exact arithmetic and costs no pass, but ``O`` is rounded, and for a row whose
+softmax is nearly one-hot ``dP_ij - delta_i`` must cancel to a small number -- which only the sum of
+the very ``P * dP`` tiles the kernels compute guarantees. From the bf16-rounded ``O``, bf16 dQ on such
+rows was far less accurate than autodiff of the materialised reference. ``backward="fast"`` takes
+``O`` from the forward's float32 accumulator instead (``delta`` given, pass 1 skipped: 7 matmuls per
+visible tile), which holds the bf16 one-hot rows; but float32 dK at exact logits of ~1e3 still misses
+the oracle suite's 1e-4 for some upstream gradients (``benchmarks/backward_accuracy.py``,
+``tests/test_pallas_backward.py``), so ``"exact"`` (pass 1, 9 matmuls) is the default.
 
-The price is pass 1: per visible tile it re-reads K and V and does two matmuls (``Q K^T`` and
+The price of pass 1: per visible tile it re-reads K and V and does two matmuls (``Q K^T`` and
 ``dO V^T``) on top of the seven of passes 2 and 3 (about 2/7 more backward FLOPs), and writes delta
 as a lane-replicated ``[batch, heads, q_len, 128]`` float32 array. Folding it into the dQ kernel as a
 first sweep over the kv blocks would save that array and one launch, not the matmuls or the K/V

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
@@ -354,3 +355,66 @@ def kv_schedule(spec, block_sizes=None, segment_ids=None, pass_name: str = "forw
         computed=np.array(computed), fetched=fetched,
         unmasked_computed=spec.batch * heads * sched.num_outer * inner_per_outer,
         unmasked_fetched=unmasked_fetched, visit_map=visit)
+
+
+# --------------------------------------------------------------------------- matmuls per tile
+def _sub_jaxprs(value):
+    """The jaxprs held by one equation parameter (a Jaxpr, a ClosedJaxpr, or a sequence of them)."""
+    if isinstance(value, jax_core.ClosedJaxpr):
+        return [value.jaxpr]
+    if isinstance(value, jax_core.Jaxpr):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [j for item in value for j in _sub_jaxprs(item)]
+    return []
+
+
+def _step_matmuls(jaxpr) -> int:
+    """``dot_general`` equations one grid step runs in a kernel body ``jaxpr``.
+
+    The kernels' ``pl.when`` blocks (``cond``) are alternatives: initialise, the masked tile, the
+    unmasked tile (:func:`scheduled_step` guards these two with exclusive conditions), finish. A step
+    that computes a tile runs one of the two tile blocks, so the blocks that hold matmuls must hold the
+    same number, which counts once; a ``cond`` with two live branches counts its costliest."""
+    outside, alternatives = 0, set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            outside += 1
+        elif eqn.primitive.name == "cond":
+            n = max(_step_matmuls(branch) for branch in _sub_jaxprs(eqn.params["branches"]))
+            if n:
+                alternatives.add(n)
+        elif eqn.primitive.name in ("scan", "while"):
+            raise NotImplementedError(f"a loop ({eqn.primitive.name}) inside a kernel: count it by hand")
+        else:
+            outside += sum(_step_matmuls(sub) for value in eqn.params.values() for sub in _sub_jaxprs(value))
+    if len(alternatives) > 1:
+        raise ValueError(f"pl.when blocks with different matmul counts {sorted(alternatives)}: "
+                         "not the masked/unmasked alternatives of one tile")
+    return outside + max(alternatives, default=0)
+
+
+def _kernel_name(params) -> str:
+    name = params.get("name")  # JAX 0.10; 0.7 keeps pallas_call's name= in the kernel's debug info
+    return name if isinstance(name, str) else params["jaxpr"].debug_info.func_name
+
+
+def matmuls_per_step(fn, *args) -> dict[str, int]:
+    """Matmuls per computed grid step (one visible tile) of every ``pallas_call`` in ``fn(*args)``:
+    ``{kernel name: dot_general count}``, read from each kernel's own jaxpr (:func:`jax.make_jaxpr`,
+    so nothing runs). A kernel called more than once must count the same each time."""
+    counts: dict[str, int] = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                name, n = _kernel_name(eqn.params), _step_matmuls(eqn.params["jaxpr"])
+                if counts.setdefault(name, n) != n:
+                    raise AssertionError(f"kernel {name}: {counts[name]} and {n} matmuls in two calls")
+                continue
+            for value in eqn.params.values():
+                for sub in _sub_jaxprs(value):
+                    walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return counts

@@ -20,7 +20,27 @@ from tpuattn.registry import PartialOps
 from tpuattn.sharding import mark_varying, varying_axes
 from tpuattn.spec import AttentionSpec
 
-OPTIONS = ("block_sizes", "interpret")
+OPTIONS = ("backward", "block_sizes", "interpret")
+BACKWARDS = ("exact", "fast")
+"""The ``backward`` option: where the backward's ``delta`` (one float per query row) comes from.
+
+* ``"exact"`` (default): ``rowsum(P * dP)`` from a pass of its own over the visible tiles (two
+  matmuls each), the very tiles the dQ and dK/dV kernels then use -- 9 matmuls per visible tile;
+* ``"fast"``: ``rowsum(dO * O)`` in float32 outside the kernels, ``O`` being the forward kernel's
+  float32 output (saved as a residual, not the output rounded to the input dtype) -- 7 matmuls per
+  visible tile, one float32 ``O`` more to keep between forward and backward.
+
+``benchmarks/backward_accuracy.py`` measures both against the float64 oracle.
+"""
+
+
+def resolve_backward(backward) -> str:
+    """The ``backward`` option -> ``"exact"`` or ``"fast"`` (``None``: ``"exact"``)."""
+    if backward is None:
+        return "exact"
+    if isinstance(backward, str) and backward in BACKWARDS:
+        return backward
+    raise ValueError(f"backward: expected one of {BACKWARDS} (or None for 'exact'), got {backward!r}")
 
 
 def resolve_interpret(interpret) -> Any:
@@ -53,6 +73,7 @@ class Config:
     spec: AttentionSpec
     blocks: BlockSizes
     interpret: Any
+    backward: str = "exact"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -67,18 +88,29 @@ SECOND_DERIVATIVE = ("impl='pallas' has no second derivatives: its backward kern
 
 
 def _flash_fwd(q, k, v, segment_ids, config):
+    fast = config.backward == "fast"
     run = lambda q, k, v, segment_ids: forward(q, k, v, segment_ids, config.spec, config.blocks.forward,
-                                               config.interpret)
+                                               config.interpret, out_dtype=jnp.float32 if fast else None)
     out, lse = first_order_only(run, SECOND_DERIVATIVE)(q, k, v, segment_ids)
-    # Residuals: the inputs and two floats per query row; the backward needs no output.
-    return out, (q, k, v, segment_ids, lse)
+    if not fast:
+        # Residuals: the inputs and two floats per query row; the exact backward needs no output.
+        return out, (q, k, v, segment_ids, lse, None)
+    # The fast backward's delta = rowsum(dO * O) reads the kernel's float32 output, before rounding.
+    return out.astype(q.dtype), (q, k, v, segment_ids, lse, out)
+
+
+def fast_delta(out, d_out):
+    """``rowsum(dO * O)`` ``[b, h, q_len]`` float32 from contract-layout ``out`` and ``d_out``."""
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b, q_len, h]
+    return jnp.swapaxes(delta, 1, 2)
 
 
 def _flash_bwd(config, residuals, d_out):
-    q, k, v, segment_ids, lse = residuals
-    run = lambda q, k, v, segment_ids, lse, d_out: backward(q, k, v, segment_ids, lse, d_out, config.spec,
-                                                            config.blocks.backward, config.interpret)
-    dq, dk, dv = first_order_only(run, SECOND_DERIVATIVE)(q, k, v, segment_ids, lse, d_out)
+    q, k, v, segment_ids, lse, out = residuals
+    delta = None if out is None else fast_delta(out, d_out)
+    run = lambda q, k, v, segment_ids, lse, d_out, delta: backward(
+        q, k, v, segment_ids, lse, d_out, config.spec, config.blocks.backward, config.interpret, delta=delta)
+    dq, dk, dv = first_order_only(run, SECOND_DERIVATIVE)(q, k, v, segment_ids, lse, d_out, delta)
     return dq, dk, dv, None
 
 
@@ -90,19 +122,25 @@ def pallas_attention(q, k, v, segment_ids, spec, **options):
     known_options("pallas", options, OPTIONS)
     blocks = as_block_sizes(options.get("block_sizes"), spec.head_dim, spec.dtype)
     interpret = resolve_interpret(options.get("interpret"))
+    which = resolve_backward(options.get("backward"))
     # Inside a shard_map every operand is typed varying over the same mesh axes, so that the
     # kernels' outputs can be typed like any one of them (compat.out_struct).
     axes = varying_axes(q, k, v, *(segment_ids or ()))
     q, k, v = (mark_varying(x, axes) for x in (q, k, v))
     if segment_ids is not None:
         segment_ids = tuple(mark_varying(s, axes) for s in segment_ids)
-    return _flash(q, k, v, segment_ids, Config(spec, blocks, interpret))
+    return _flash(q, k, v, segment_ids, Config(spec, blocks, interpret, which))
 
 
 # --------------------------------------------------------------------------- one block of many
 def _block_call(q, k, v, segment_ids, spec, options, *rows):
-    """Options resolved as :func:`pallas_attention` does, operands typed alike inside a shard_map."""
+    """Options resolved as :func:`pallas_attention` does, operands typed alike inside a shard_map.
+
+    ``backward`` is validated and otherwise unused: a block of a larger problem (the ring, sinks)
+    gets its delta from :func:`partial_row_sums`, always ``rowsum(P * dP)``, since only the caller
+    holds the whole row's output."""
     known_options("pallas", options, OPTIONS)
+    resolve_backward(options.get("backward"))
     blocks = as_block_sizes(options.get("block_sizes"), spec.head_dim, spec.dtype)
     interpret = resolve_interpret(options.get("interpret"))
     arrays = (q, k, v, *(segment_ids or ()), *rows)
