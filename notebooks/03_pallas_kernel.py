@@ -813,9 +813,11 @@ print("  Mosaic lowering of the scheduled kernel:", verdict)
 # `rowsum(dO * O)`**, and the second needs no `P`, which is why FlashAttention and JAX's TPU kernels
 # compute it from the output. In floating point they differ: `O` is rounded (to bfloat16, say) before
 # it is saved, while $dP - \delta$ must cancel to a few ulps on a nearly one-hot row (where $dS$ is
-# tiny). From the rounded `O` it does not cancel, and the gradients of such rows come out 70-200x
+# tiny). From the bfloat16-rounded `O` it does not cancel, and the gradients of such rows come out far
 # worse than autodiff of the materialised reference (the package's tests build such rows). So this
-# package sums $\delta$ = `rowsum(P * dP)` from the same recomputed tiles the backward uses.
+# package, by default, sums $\delta$ = `rowsum(P * dP)` from the same recomputed tiles the backward
+# uses; `backward="fast"` takes `rowsum(dO * O)` instead, with `O` kept in float32 from the forward's
+# accumulator (the cell after the gradient check compares the two).
 #
 # `P` itself is never stored: the forward saves the float32 **logsumexp** of each row,
 # `lse = m + log(l)` (the package keeps its two terms, `m` and `log l`, so that large logits lose no
@@ -841,11 +843,11 @@ print("  Mosaic lowering of the scheduled kernel:", verdict)
 # backward recomputes $S$ in both kernels and adds $dP$, $dV$, $dK$ (dK/dV kernel) and $dP$, $dQ$
 # (dQ kernel): 7 matmuls, 3.5x the forward -- or 5 matmuls, the "2.5x the forward" usually quoted,
 # when $S$ and $dP$ are computed once (one fused kernel, as FlashAttention-2 on a GPU). The row-sum
-# pass adds 2 more: this package's backward executes 9 matmuls per visited tile, 4.5x the forward.
-# That is what accurate gradients on nearly one-hot bf16 rows cost here (delta from P and dP, not
-# from the rounded output), and it is paid on every input, not only on such rows: 9 matmuls against
-# 7 or 5. Notebook 05's roofline counts them and prints this kernel's forward and backward beside
-# splash's.
+# pass adds 2 more: the default backward executes 9 matmuls per visited tile, 4.5x the forward, and
+# pays them on every input, not only on the rows that need them; `backward="fast"` drops the pass and
+# executes 7. The cell after the gradient check counts both from the kernels' own jaxprs and measures
+# what the two cost in accuracy. Notebook 05's roofline counts the default's matmuls and prints this
+# kernel's forward and backward beside splash's.
 #
 # Both reuse the forward's block schedule (transposed for dK/dV), so masked tiles are skipped in the
 # backward too. The package wires forward and backward together with `jax.custom_vjp`; here we
@@ -870,6 +872,73 @@ grads_ref = jax.jit(jax.grad(functools.partial(loss, reference_causal), argnums=
 for name, got, want in zip(("dQ", "dK", "dV"), grads, grads_ref, strict=True):
     check(f"step 6, package backward {name} (causal GQA)", got, want, 1e-4)
 
+# %%
+from tpuattn.numerics import x64
+from tpuattn.pallas.plan import matmuls_per_step
+
+
+def pallas_backward(backward, **kw):
+    """tpuattn.attention(impl="pallas") with one of its two backwards (the option is static)."""
+    return functools.partial(tpuattn.attention, impl="pallas", backward=backward, **kw)
+
+
+def gradient(attend, q, k, v, w):
+    """Gradients of sum(O * w) in q, k, v."""
+    loss_w = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * w)
+    return jax.grad(loss_w, argnums=(0, 1, 2))(q, k, v)
+
+
+# Matmuls per visible tile, counted in each kernel's own jaxpr (nothing runs).
+w_g = rand(q_g.shape, 99)
+for backward in ("exact", "fast"):
+    attend = pallas_backward(backward, causal=True, block_sizes=128)
+    counts_per_kernel = matmuls_per_step(functools.partial(gradient, attend), q_g, k_g, v_g, w_g)
+    passes = {name.removeprefix("tpuattn_flash_"): n for name, n in counts_per_kernel.items()
+              if name != "tpuattn_flash_forward"}
+    print(f"backward={backward!r}: matmuls per visible tile {passes}, {sum(passes.values())} in all")
+
+# %% tags=["nbval-ignore-output"]
+# Accuracy where delta's rounding shows: float32 logits up to ~1e3 computed exactly (integer q and k,
+# scale 1), six draws of the upstream gradient w, against float64 autodiff of the reference.
+int_rng = np.random.default_rng(0)
+q_i, k_i = (np.round(int_rng.standard_normal((1, 100, 2, 32)) * f).astype(np.float32) for f in (15, 3))
+v_i = int_rng.standard_normal((1, 100, 2, 32)).astype(np.float32)
+print(f"largest |logit|: {np.abs(np.einsum('bqhd,bkhd->bhqk', q_i, k_i)).max():.0f}")
+draws = [int_rng.standard_normal(q_i.shape).astype(np.float32) for _ in range(6)]
+
+
+def causal_attention_64(q, k, v):
+    """Materialised causal softmax attention, scale 1, in float64 (the yardstick)."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+with x64(True):
+    inputs_64 = [np.float64(x) for x in (q_i, k_i, v_i)]
+    exact64 = [[np.asarray(g) for g in gradient(causal_attention_64, *inputs_64, np.float64(w))]
+               for w in draws]
+candidates = {f"pallas backward={b!r}": jax.jit(functools.partial(
+    gradient, pallas_backward(b, causal=True, scale=1.0))) for b in ("exact", "fast")}
+candidates["reference (float32)"] = jax.jit(functools.partial(
+    gradient, functools.partial(tpuattn.attention, impl="reference", causal=True, scale=1.0)))
+for name, grad_fn in candidates.items():
+    worst = [max(float(np.abs(np.float64(got[i]) - want[i]).max())
+                 for got, want in zip((grad_fn(q_i, k_i, v_i, w) for w in draws), exact64, strict=True))
+             for i in range(3)]
+    print(f"{name:28s} worst |error| over 6 draws: dQ {worst[0]:.1e}  dK {worst[1]:.1e}  dV {worst[2]:.1e}")
+
+# %% [markdown]
+# The counts are the FLOP paragraph's: 2 + 3 + 4 = 9 matmuls per visible tile for the default, 3 + 4 =
+# 7 without the row-sum pass. The price of the 2 saved is accuracy where $dP - \delta$ cancels: at
+# float32 logits up to 1159, computed exactly, the fast backward's worst dK error over the six draws
+# is 1.9e-04 against 4.1e-05 for the exact one and 3.9e-05 for the float32 reference -- about five
+# times worse, and past the 1e-4 the package's oracle suite asks of float32 gradients. (Its delta from
+# the float32 `O` does hold the nearly one-hot bfloat16 rows that broke the bfloat16 `O`:
+# `benchmarks/backward_accuracy.py` prints both backwards on those, on logits near 1e4 and on ordinary
+# inputs.) So `"exact"` stays the default, and `"fast"` is there for training runs whose logits stay
+# moderate, where 7 matmuls instead of 9 are worth having.
+
 # %% [markdown]
 # ## The package's kernel
 #
@@ -885,8 +954,8 @@ for name, got, want in zip(("dQ", "dK", "dV"), grads, grads_ref, strict=True):
 # * windows, segment ids (empty rows return zeros), softcap, GQA/MQA, the saved logsumexp and
 #   the two backward kernels; block sizes as a small validated dataclass.
 #
-# Its options are `block_sizes` and `interpret` (`None`: compiled on TPU, interpret mode elsewhere;
-# `"simulate"`: the TPU simulator with race detection).
+# Its options are `block_sizes`, `interpret` (`None`: compiled on TPU, interpret mode elsewhere;
+# `"simulate"`: the TPU simulator with race detection) and `backward` (`"exact"` or `"fast"`, step 6).
 
 # %%
 def case(name, q_len, kv_len, q_heads, kv_heads, head_dim, dtype=jnp.float32, tol=2e-5, **kw):
