@@ -99,8 +99,8 @@ from tpuattn.viz import grid, style
 
 style.use_style()
 ON_TPU = PLATFORM.on_tpu
-INTERPRET = not ON_TPU
-print(f"Pallas kernels in this notebook run {'compiled' if ON_TPU else 'in interpret mode'} "
+INTERPRET = PLATFORM.interpret  # True everywhere but a TPU (and in the test command's dry run)
+print(f"Pallas kernels in this notebook run {'in interpret mode' if INTERPRET else 'compiled'} "
       f"(INTERPRET={INTERPRET}).")
 
 
@@ -1084,7 +1084,8 @@ assert schedule.total_computed == n * (n + 1) // 2 and schedule.total_fetched ==
 # numbers). On any other backend the kernel runs in interpret mode, whose timings measure Pallas's
 # interpreter, not the kernel -- so nothing is measured. This section, like every `ON_TPU` path of
 # this notebook (`INTERPRET = False`), is written for a TPU runtime and has not been run on one by
-# the project: its committed outputs come from a CPU run.
+# the project: its committed outputs come from a CPU run, and the test command runs its Python with a
+# CPU standing in for a v5e (kernels interpreted, small sizes: a dry run, no TPU numbers).
 
 # %%
 from tpuattn import chips
@@ -1120,7 +1121,7 @@ if ON_TPU and RUN_BENCHMARKS:
         for seq_len in BENCH_SEQ_LENS:
             shape = (BENCH_BATCH, seq_len, BENCH_HEADS, BENCH_HEAD_DIM)
             qb_, kb_, vb_ = (rand(shape, s, jnp.bfloat16) for s in (20, 21, 22))
-            kernel = functools.partial(tpuattn.attention, causal=causal, impl="pallas", interpret=False)
+            kernel = functools.partial(tpuattn.attention, causal=causal, impl="pallas", interpret=INTERPRET)
             timing = time_jitted(kernel, qb_, kb_, vb_, repeats=5, min_total_s=0.2)
             xla = time_jitted(functools.partial(tpuattn.attention, causal=causal, impl="reference"),
                               qb_, kb_, vb_, repeats=5, min_total_s=0.2)
