@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the float64 oracle and the oracle suite's cases
 
-from cases import CASES, GRAD_TOL  # noqa: E402
+from cases import CASES, GRAD_TOL, nearly_one_hot_rows  # noqa: E402
 from oracle import oracle_grads  # noqa: E402
 
 import tpuattn  # noqa: E402
@@ -52,20 +52,9 @@ class Problem:
 
 
 def _one_hot_rows() -> Problem:
-    """tests/test_hardening.py's nearly one-hot bf16 rows (same recipe and seed): orthogonal keys,
+    """The nearly one-hot bf16 rows of tests/test_hardening.py (cases.nearly_one_hot_rows): orthogonal keys,
     query i aims at key a(i) with logit 20 and at key b(i) with logit 13, every other logit ~0."""
-    rng = np.random.default_rng(4)
-    length = head_dim = 128
-    heads = 2
-    q, k = np.zeros((2, 2, length, heads, head_dim))
-    for b in range(2):
-        for h in range(heads):
-            keys = np.sqrt(head_dim) * np.linalg.qr(rng.standard_normal((head_dim, head_dim)))[0][:length]
-            top = rng.permutation(length)
-            second = (top + 1 + rng.integers(0, length - 1, length)) % length
-            q[b, :, h] = (20.0 * keys[top] + 13.0 * keys[second]) / np.sqrt(head_dim)
-            k[b, :, h] = keys
-    v, d_out = rng.standard_normal((2, 2, length, heads, head_dim))
+    q, k, v, d_out = nearly_one_hot_rows()
     return Problem("bf16 near-one-hot rows", q, k, v, [d_out], {}, "bfloat16",
                    f"hardening: <= {HARDENING_RATIO:g}x reference")
 

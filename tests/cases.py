@@ -128,3 +128,24 @@ KNOWN_LIMITATIONS = {
 FORWARD_TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}
 # Gradient tolerance, float32.
 GRAD_TOL = 1e-4
+
+
+def nearly_one_hot_rows(seed: int = 4, *, length: int = 128, heads: int = 2):
+    """Nearly one-hot rows (float64 ``q, k, v, d_out`` ``[2, length, heads, head_dim=length]``): the worst
+    case for delta = rowsum(dO * O) in bf16 is a row whose top probability is 1 - ~1e-3, where O is not
+    a bf16 value (its rounding enters delta) while the true dS is ~1e-3 times smaller than that
+    rounding. Random logits rarely land there, so each row is built to: orthogonal keys
+    (``|k|^2 = head_dim``), query i aims at key a(i) with logit 20 and at key b(i) with logit 13,
+    every other logit ~0. Used by tests/test_hardening.py and benchmarks/backward_accuracy.py."""
+    rng = np.random.default_rng(seed)
+    head_dim = length
+    q, k = np.zeros((2, 2, length, heads, head_dim))
+    for b in range(2):
+        for h in range(heads):
+            keys = np.sqrt(head_dim) * np.linalg.qr(rng.standard_normal((head_dim, head_dim)))[0][:length]
+            top = rng.permutation(length)
+            second = (top + 1 + rng.integers(0, length - 1, length)) % length
+            q[b, :, h] = (20.0 * keys[top] + 13.0 * keys[second]) / np.sqrt(head_dim)
+            k[b, :, h] = keys
+    v, d_out = rng.standard_normal((2, 2, length, heads, head_dim))
+    return q, k, v, d_out

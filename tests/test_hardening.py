@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import FORWARD_TOL
+from cases import FORWARD_TOL, nearly_one_hot_rows
 from helpers import random_qkv
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -82,24 +82,10 @@ def test_bf16_batch_and_heads_above_one_forward_and_gradients(impl):
     assert mine <= 4 * reference + 1e-2, (mine, reference)
 
 
-# Nearly one-hot rows in bf16. The worst case for delta = rowsum(dO * O) is a row whose top
-# probability is 1 - ~1e-3: O is then not a bf16 value (its rounding enters delta) while the true
-# dS is ~1e-3 times smaller than that rounding. Random logits rarely land there, so each row is built
-# to: orthogonal keys (|k|^2 = head_dim), query i aims at key a(i) with logit 20 and at key b(i) with
-# logit 13, every other logit ~0.
+# Nearly one-hot rows in bf16 (cases.nearly_one_hot_rows says why they are the worst case for
+# delta = rowsum(dO * O)).
 def _one_hot_rows():
-    rng = np.random.default_rng(4)
-    length = head_dim = 128
-    heads = 2
-    q, k = np.zeros((2, 2, length, heads, head_dim))
-    for b in range(2):
-        for h in range(heads):
-            keys = np.sqrt(head_dim) * np.linalg.qr(rng.standard_normal((head_dim, head_dim)))[0][:length]
-            top = rng.permutation(length)
-            second = (top + 1 + rng.integers(0, length - 1, length)) % length
-            q[b, :, h] = (20.0 * keys[top] + 13.0 * keys[second]) / np.sqrt(head_dim)
-            k[b, :, h] = keys
-    v, d_out = rng.standard_normal((2, 2, length, heads, head_dim))
+    q, k, v, d_out = nearly_one_hot_rows()
     q, k, v = _bf16(q, k, v)
     return q, k, v, d_out.astype(np.float32), [np.asarray(x, np.float64) for x in (q, k, v)]
 
