@@ -1,0 +1,401 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %%
+
+# %% [markdown]
+# # 10 · In a model: train, checkpoint and serve a small transformer, one argument apart
+#
+# The earlier notebooks built attention one call at a time. A model is where the choice of
+# implementation is actually made, and where it should cost nothing to change. This notebook answers:
+# **when a real model swaps its attention implementation, what changes in the model, and what tells
+# you which one to use?**
+#
+# **What you'll do**
+# - build a small byte-level transformer in Flax NNX (`tpuattn.lm`) whose attention is
+#   `tpuattn.attention(..., impl=...)`, and check that every implementation gives the same logits;
+# - train it on the CPU with each implementation from the same start: the loss curves overlap;
+# - save and restore a checkpoint with orbax and get the same logits back;
+# - serve it: prefill into a paged KV cache, then decode several prompts together through
+#   `tpuattn.decode.attention(..., page_table=...)` with continuous batching, and check the greedy
+#   tokens against recomputing the whole sequence;
+# - compile one training step and one decode step of a realistic size for TPU v5e (compiled, not
+#   run) and read the peak HBM each implementation needs.
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/10_in_a_model.ipynb)
+
+# %%
+# On Colab, install the package at the version this notebook belongs to (main); elsewhere this does
+# nothing. (Written by ci/install_cell.py from pyproject.toml.)
+import subprocess
+import sys
+
+TPUATTN = "tpuattn[notebooks] @ git+https://github.com/tpuattn/tpuattn@main"
+if "google.colab" in sys.modules:
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", TPUATTN],
+                            capture_output=True, text=True)
+    print(result.stdout + result.stderr)  # pip's own messages, its errors included
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"pip could not install {TPUATTN!r} (exit {result.returncode}; its messages are above). "
+            "If github.com is not reachable from this runtime, build a wheel from a clone elsewhere "
+            "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
+
+# %% tags=["nbval-ignore-output"]
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from tpuattn import lm
+from tpuattn.measure import aot, runtime
+from tpuattn.viz import style
+
+PLATFORM = runtime.info()
+print(PLATFORM.summary())
+print("flax", __import__("flax").__version__, "· optax", optax.__version__)
+
+# %% tags=["parameters"]
+# The small model trained and served here (runs anywhere; pallas in interpret mode off a TPU).
+D_MODEL, LAYERS, HEADS, KV_HEADS, MLP_DIM = 64, 2, 4, 2, 128
+TRAIN_IMPLS = ["reference", "xla", "blockwise", "pallas"]  # each trained from the same start
+TRAIN_STEPS, BATCH, SEQ, LEARNING_RATE = 30, 8, 64, 1e-2
+MORE_STEPS, MORE_IMPL = 120, "xla"  # then train one of them longer before serving it
+SLOTS, PAGE_SIZE, NUM_PAGES = 2, 8, 12  # the server: decode batch and paged cache
+NEW_TOKENS = [24, 8, 16, 12, 20]  # per prompt: sequences finish at different steps
+# The realistic configuration compiled for TPU v5e (compiled, not run).
+# One layer: every layer adds the same again, and each layer is compiled in full (minutes per layer here).
+BIG_D_MODEL, BIG_LAYERS, BIG_HEADS, BIG_KV_HEADS, BIG_MLP_DIM = 1024, 1, 8, 2, 4096
+BIG_SEQ = 8192  # tokens in one training sequence
+BIG_SLOTS, BIG_PAGE, BIG_PAGES_PER_SEQ = 8, 64, 128  # decode: 8 sequences of up to 8192 positions
+RUN_COMPILES = True  # section 5: compile for TPU v5e when the TPU compiler is installed
+
+# %%
+style.use_style()
+config = lm.Config(d_model=D_MODEL, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, mlp_dim=MLP_DIM)
+data = lm.corpus()
+print(f"corpus: {len(data)} bytes of the project's own prose, e.g. {lm.decode_bytes(data[:60])!r}")
+
+# %% [markdown]
+# ## 1 · The model, and the one argument
+#
+# `tpuattn.lm.Transformer` is a decoder-only transformer over bytes (a vocabulary of 256): an
+# embedding, `LAYERS` pre-norm blocks (RMSNorm → attention → residual, RMSNorm → SwiGLU MLP →
+# residual) and a final RMSNorm whose output meets the embedding again (tied weights) to give the
+# logits. Positions enter through rotary embeddings (RoPE), so a cached key keeps its position. The
+# attention is grouped-query (`HEADS` query heads share `KV_HEADS` key/value heads) and is one line
+# of `tpuattn/lm/model.py`:
+#
+# ```python
+# o = attention(q, k, v, causal=True, impl=impl)  # q [b, seq, heads, D]; k, v [b, seq, kv_heads, D]
+# ```
+#
+# `impl` is fixed when the model is built and can be overridden per call. Same seed, same weights;
+# the logits of every implementation against the reference's:
+
+# %%
+model = lm.Transformer(config, rngs=nnx.Rngs(0), impl="reference")
+params = nnx.state(model, nnx.Param)
+print(f"{sum(x.size for x in jax.tree.leaves(params)):,} parameters; head_dim {config.head_dim}")
+tokens = jnp.asarray(next(lm.batches(data, batch=2, seq=SEQ, seed=1))[:, :-1])
+reference_logits = model(tokens)
+for impl in TRAIN_IMPLS:
+    difference = float(jnp.max(jnp.abs(model(tokens, impl=impl) - reference_logits)))
+    print(f"{impl:>10}: logits {tuple(reference_logits.shape)}, largest difference from reference "
+          f"{difference:.1e}")
+
+# %% [markdown]
+# The differences are float32 rounding: each implementation adds the same products in a different
+# order (blocks, an online softmax). `tests/test_lm.py` holds every one of them to a float64 NumPy
+# forward pass of the same weights.
+#
+# ## 2 · Training, once per implementation
+#
+# `tpuattn.lm.train` runs AdamW (optax) on next-byte cross-entropy over random windows of the corpus.
+# The step is functional: `nnx.split` separates the model's structure (which carries `impl`) from its
+# parameters, `jax.value_and_grad` differentiates through the attention implementation (its own
+# backward pass: the Pallas kernel's three backward passes in interpret mode here), optax updates the
+# parameters. Each implementation starts from the same weights and sees the same batches.
+
+# %% tags=["nbval-ignore-output"]
+curves, seconds, trained = {}, {}, {}
+for impl in TRAIN_IMPLS:
+    start = time.perf_counter()
+    trained[impl], curves[impl] = lm.train(lm.Transformer(config, rngs=nnx.Rngs(0), impl=impl),
+                                           lm.batches(data, batch=BATCH, seq=SEQ, seed=0), TRAIN_STEPS,
+                                           learning_rate=LEARNING_RATE)
+    seconds[impl] = time.perf_counter() - start
+    print(f"{impl:>10}: {TRAIN_STEPS} steps in {seconds[impl]:.1f} s (measured, {PLATFORM.backend}; "
+          "compile included)")
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 3.5))
+for impl, losses in curves.items():
+    ax.plot(np.arange(1, TRAIN_STEPS + 1), losses, label=impl, color=style.impl_colour(impl), lw=1.5,
+            alpha=0.8)
+ax.set(xlabel="step", ylabel="cross-entropy (nats per byte)",
+       title=f"The same model and batches, {len(curves)} attention implementations ({PLATFORM.backend})")
+ax.legend()
+style.save_figure(fig, "10_loss_curves")
+plt.show()
+style.close(fig)
+spread = max(np.max(np.abs(np.asarray(c) - np.asarray(curves["reference"]))) for c in curves.values())
+print(f"loss from {curves['reference'][0]:.3f} to {curves['reference'][-1]:.3f} nats per byte; the largest "
+      f"difference between implementations at any step: {spread:.1e}")
+
+# %% [markdown]
+# The curves lie on each other: the largest difference printed above is rounding, carried through
+# every step of training. What changed when the implementation did is how attention was computed
+# and what it cost, not what the model learned.
+#
+# Since the implementations learn the same model, it does not matter which one trains it further:
+# `MORE_IMPL` continues for `MORE_STEPS` steps (a fresh AdamW state) before the model is saved and
+# served.
+
+# %% tags=["nbval-ignore-output"]
+start = time.perf_counter()
+model, more = lm.train(trained[MORE_IMPL], lm.batches(data, batch=2 * BATCH, seq=SEQ, seed=1), MORE_STEPS,
+                       learning_rate=LEARNING_RATE)
+print(f"{MORE_IMPL}: {MORE_STEPS} more steps in {time.perf_counter() - start:.1f} s (measured, "
+      f"{PLATFORM.backend}); loss {more[0]:.3f} -> {more[-1]:.3f} nats per byte")
+
+# %% [markdown]
+# ## 3 · A checkpoint, saved and restored (orbax)
+#
+# The parameters are an `nnx.State`, a pytree of arrays, so orbax saves them as they are. To restore,
+# build the model's shape without computing any weights (`nnx.eval_shape`) and let orbax fill it in.
+
+# %%
+_, state = nnx.split(model)
+with tempfile.TemporaryDirectory() as directory:
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(f"{directory}/model", state)
+    checkpointer.wait_until_finished()
+    abstract = nnx.eval_shape(lambda: lm.Transformer(config, rngs=nnx.Rngs(1), impl="reference"))
+    graphdef, abstract_state = nnx.split(abstract)
+    restored = nnx.merge(graphdef, checkpointer.restore(f"{directory}/model", abstract_state))
+same = bool(jnp.array_equal(restored(tokens), model(tokens)))
+print(f"restored model's logits equal the trained model's: {same}")
+assert same
+
+# %% [markdown]
+# ## 4 · Serving: prefill, a paged KV cache, continuous batching
+#
+# `tpuattn.lm.serve` decodes many prompts with `SLOTS` sequences in flight. Each loop:
+#
+# 1. **admit**: an empty slot takes the next prompt if the free list has the pages it needs
+#    (prompt + new tokens, in pages of `PAGE_SIZE` rows); the prompt runs through the model once
+#    (**prefill**, `tpuattn.attention` over the whole prompt) and its keys and values are written
+#    into those pages;
+# 2. **decode**: every slot advances one token in one call, `tpuattn.decode.attention(q, k_pages,
+#    v_pages, lengths, page_table=...)`; an empty slot rides along with length 0 on a scratch page,
+#    so the step's shapes never change and it compiles once;
+# 3. **retire**: a finished sequence gives its pages back to the free list; the next prompt takes them.
+#
+# The check, `tpuattn.lm.recompute`, decodes each prompt alone with no cache at all: the whole
+# sequence through the model at every step.
+
+# %%
+prompts = ["A", "The kernel", "Attention on TPUs", "Pallas", "The online softmax keeps"]
+served = lm.serve(model, [lm.encode(p) for p in prompts], NEW_TOKENS, slots=SLOTS, page_size=PAGE_SIZE,
+                  num_pages=NUM_PAGES)
+for step, kind, i, slot, pages in served.events:
+    print(f"step {step:3d}: {kind:>6} prompt {i} ({len(prompts[i]):2d} bytes) in slot {slot}, "
+          f"pages {list(pages)}")
+print(f"{served.steps} decode steps for {len(prompts)} prompts; pages handed out again after being "
+      f"returned: {served.reused}")
+for prompt, new in zip(prompts, served.tokens, strict=True):
+    print(f"{prompt!r} -> {lm.decode_bytes(new)!r}")
+assert served.reused > 0
+
+# %%
+matches = [bool(np.array_equal(new, lm.recompute(model, lm.encode(p), n)))
+           for p, n, new in zip(prompts, NEW_TOKENS, served.tokens, strict=True)]
+print(f"greedy tokens equal recomputation, prompt by prompt: {matches}")
+assert all(matches)
+
+# %% [markdown]
+# A model trained for seconds on a few kilobytes writes the corpus's commonest words; the point
+# is that the cached, paged, batched decoding gives exactly the tokens of the slow, cache-free one,
+# while the pages of finished sequences are reused (the events above).
+#
+# ## 5 · A realistic size, compiled for TPU v5e (compiled, not run)
+#
+# Now the same code at a size where the implementation matters: `BIG_LAYERS` layers of width
+# `BIG_D_MODEL`, 8 query heads on 2 kv heads (head_dim 128), bf16, one training sequence of `BIG_SEQ`
+# tokens; and a decode step for `BIG_SLOTS` sequences over a paged cache of `BIG_PAGES_PER_SEQ`
+# pages of `BIG_PAGE` rows each. `tpuattn.measure.aot.compile_for("v5e", ...)` compiles them with the
+# real TPU compiler from shapes alone (no weights are ever allocated: `nnx.eval_shape`), and the
+# compiled program reports the HBM it needs. One layer is compiled (each layer is compiled in full and
+# takes minutes on a CPU machine); what differs between implementations is the memory attention
+# needs inside a layer, and a deeper model stores that for every layer it trains.
+
+# %% tags=["nbval-ignore-output"]
+big = lm.Config(d_model=BIG_D_MODEL, layers=BIG_LAYERS, heads=BIG_HEADS, kv_heads=BIG_KV_HEADS,
+                mlp_dim=BIG_MLP_DIM, dtype="bfloat16")
+
+
+def train_step_program(impl):
+    """One training step (forward, backward, AdamW) as a function of flat arrays, and their shapes."""
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: lm.Transformer(big, rngs=nnx.Rngs(0), impl=impl)))
+    optimizer = optax.adamw(3e-4)
+    step = lm.make_train_step(graphdef, optimizer)
+    leaves, tree = jax.tree.flatten((params, jax.eval_shape(optimizer.init, params)))
+
+    def fn(*args):
+        return step(*jax.tree.unflatten(tree, args[:-1]), args[-1])
+
+    return fn, [*leaves, jax.ShapeDtypeStruct((1, BIG_SEQ + 1), jnp.int32)]
+
+
+def decode_step_program(impl):
+    """One decode step of the served batch, as a function of flat arrays, and their shapes."""
+    graphdef, params = nnx.split(nnx.eval_shape(
+        lambda: lm.Transformer(big, rngs=nnx.Rngs(0), decode_impl=impl)))
+    cache = jax.eval_shape(lambda: lm.PagedCache.empty(big, BIG_SLOTS * BIG_PAGES_PER_SEQ + 1, BIG_PAGE))
+    leaves, tree = jax.tree.flatten((params, cache))
+    vector = jax.ShapeDtypeStruct((BIG_SLOTS,), jnp.int32)
+    table = jax.ShapeDtypeStruct((BIG_SLOTS, BIG_PAGES_PER_SEQ), jnp.int32)
+
+    def fn(*args):
+        params, cache = jax.tree.unflatten(tree, args[:-3])
+        return nnx.merge(graphdef, params).decode_step(*args[-3:-1], cache, args[-1])
+
+    return fn, [*leaves, vector, vector, table]
+
+
+def compiled_peak(program, impl):
+    """Peak HBM in GiB, or why not: the compiler's own verdict (out of HBM) or its error."""
+    try:
+        return aot.memory_facts(aot.compile_for("v5e", *program(impl)))["peak_hbm_bytes"] / 2**30, ""
+    except Exception as error:  # noqa: BLE001 - the compiler's errors vary by version
+        failure = aot.compile_failure(error)
+        verdict = "does not fit in HBM" if failure["status"] == "out_of_memory" else "does not compile"
+        return None, f"{verdict}: {failure['error']}"
+
+
+peaks = {}
+COMPILE = RUN_COMPILES and aot.tpu_available()
+if not RUN_COMPILES:
+    print("RUN_COMPILES is False: compiles skipped")
+elif not COMPILE:
+    print("The TPU compiler (libtpu) is not installed here: compiled numbers skipped "
+          "(pip install 'jax[tpu]' to see them)")
+else:
+    print(f"compiled (v5e, not run), {aot.versions_text()}; {big.layers} layer(s), d_model {big.d_model}, "
+          f"heads {big.heads} on {big.kv_heads}, head_dim {big.head_dim}, bf16")
+
+
+def show_compiled(kind, impl):
+    """Compile one program for v5e, print its peak HBM (or why not) and keep it in ``peaks``."""
+    if not COMPILE:
+        return
+    program = train_step_program if kind == "train step" else decode_step_program
+    start = time.perf_counter()
+    peaks[kind, impl] = peak, why = compiled_peak(program, impl)
+    verdict = f"peak HBM {peak:6.2f} GiB" if peak is not None else why
+    print(f"{kind}, {impl}: {verdict}  (compiled (v5e, not run); compile "
+          f"{time.perf_counter() - start:.0f} s)")
+
+
+# %% [markdown]
+# One training step of `BIG_SEQ` tokens (forward, backward and the AdamW update), one implementation
+# per cell:
+
+# %% tags=["nbval-ignore-output"]
+show_compiled("train step", "reference")
+
+# %% tags=["nbval-ignore-output"]
+show_compiled("train step", "xla")
+
+# %% tags=["nbval-ignore-output"]
+show_compiled("train step", "pallas")
+
+# %% tags=["nbval-ignore-output"]
+show_compiled("train step", "splash")
+
+# %% [markdown]
+# One decode step of the served batch (every page of every sequence in the page table), through the
+# materialised reference and the split-K Pallas kernel:
+
+# %% tags=["nbval-ignore-output"]
+show_compiled("decode step", "reference")
+show_compiled("decode step", "pallas")
+
+# %% [markdown]
+# ## 6 · What changed when the implementation did
+#
+# One argument changed, `impl=`. The cell below reads the runs above back and says what moved.
+
+# %%
+print(f"logits: every implementation within float32 rounding of the reference (section 1); loss "
+      f"curves within {spread:.1e} nats per byte over {TRAIN_STEPS} steps (section 2).")
+for kind in ("train step", "decode step"):
+    row = {impl: peak for (k, impl), (peak, _) in peaks.items() if k == kind}
+    if row:
+        fits = [impl for impl, peak in row.items() if peak is not None]
+        text = ", ".join(f"{impl} {peak:.2f} GiB" if peak is not None else f"{impl} did not compile"
+                         for impl, peak in row.items())
+        if fits:
+            low, high = min(row[i] for i in fits), max(row[i] for i in fits)
+            least = [i for i in fits if row[i] <= low * 1.01]  # within 1% of the least
+            summary = f"least HBM: {' and '.join(least)}; the most needs {high / low:.1f}x the least"
+        else:
+            summary = "none compiled"
+        print(f"{kind}, compiled (v5e, not run): {text}; {summary}.")
+
+# %% [markdown]
+# The model's numbers (logits, losses, generated tokens) did not move beyond rounding; the cost did:
+# the training step's peak HBM differs several-fold between the implementations that materialise the
+# scores and the kernels that do not (the ratio above), a difference a longer sequence grows with the
+# square of its length and every further layer adds to. The decode step's peak is the cache itself,
+# the same for both; what separates decode implementations is the bandwidth they use (notebook 07).
+# That is the lesson of swappable parts behind one contract: the choice is one argument, so it can be made
+# per shape, per chip and per phase (prefill and training with one implementation, decode with
+# another) from what the compiler and the measurements say, and changed again when a better kernel
+# arrives, without touching the model.
+
+# %% [markdown]
+# ## Takeaways
+#
+# > **Takeaway.** Behind one contract the attention implementation is one argument of the model:
+# > logits, losses and generated tokens agree to float32 rounding whichever computes them.
+#
+# > **Takeaway.** Serving is two contracts: prefill is `tpuattn.attention` over the prompt, decode is
+# > `tpuattn.decode.attention` over a paged cache. Pages and a free list let sequences of any length
+# > come and go (continuous batching) with fixed shapes, so the decode step compiles once.
+#
+# > **Takeaway.** Check a server against recomputation: greedy tokens from the cache must equal those
+# > of running the whole sequence again, a test that catches a wrong page, position or length.
+#
+# > **Takeaway.** Which implementation to use is a question of cost at your shape, and the compiler
+# > answers it before you rent a chip: read its peak HBM per implementation.
+#
+# ## Exercises
+#
+# 1. Serve with `decode_impl="pallas"` (the split-K kernel, interpreted here): are the tokens the
+#    same? (`lm.serve(model, ..., decode_impl="pallas")`.)
+# 2. Make `NUM_PAGES` too small for the longest prompt plus its new tokens: what does `serve` say,
+#    and why must a sequence's pages be known before it is admitted in this design?
+# 3. Prefill with `impl="pallas"` and decode with `decode_impl="reference"`: the model was trained
+#    with neither. Why do the tokens still match recomputation?
+# 4. Raise `BIG_SEQ` until the implementation with the least HBM no longer fits on a v5e. Which
+#    part of the training step's memory is then the largest?
