@@ -13,8 +13,6 @@
 #     name: python3
 # ---
 
-# %%
-
 # %% [markdown]
 # # 10 · In a model: train, checkpoint and serve a small transformer, one argument apart
 #
@@ -66,6 +64,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from tpuattn import lm
+from tpuattn.exercises import run_checks
 from tpuattn.measure import aot, runtime
 from tpuattn.viz import style
 
@@ -391,11 +390,73 @@ for kind in ("train step", "decode step"):
 #
 # ## Exercises
 #
-# 1. Serve with `decode_impl="pallas"` (the split-K kernel, interpreted here): are the tokens the
-#    same? (`lm.serve(model, ..., decode_impl="pallas")`.)
-# 2. Make `NUM_PAGES` too small for the longest prompt plus its new tokens: what does `serve` say,
-#    and why must a sequence's pages be known before it is admitted in this design?
-# 3. Prefill with `impl="pallas"` and decode with `decode_impl="reference"`: the model was trained
-#    with neither. Why do the tokens still match recomputation?
-# 4. Raise `BIG_SEQ` until the implementation with the least HBM no longer fits on a v5e. Which
-#    part of the training step's memory is then the largest?
+# Each stub raises `NotImplementedError`; fill it in and re-run the two cells below it (the second
+# checks your functions). Solutions are in the hidden cell at the end of the notebook.
+#
+# 1. **Pages a sequence needs** (★☆☆, 5 min). `pages_needed(prompt_len, new_tokens, page_size)`: the
+#    fewest pages of `page_size` rows that hold a prompt and every token generated after it. Checked
+#    on a grid of sizes (the pages hold them, one page fewer would not) and against the pages `serve`
+#    took for each prompt in section 4 (its `events`).
+# 2. **One greedy token without a cache** (★★☆, 10 min). `next_token(model, tokens)`: the byte the
+#    model picks after `tokens` (a 1-D array of byte ids), running the whole sequence through it:
+#    `model(batch)` takes `[batch, length]` byte ids and returns `[batch, length, 256]` logits. Checked
+#    against the tokens section 4's server generated with its paged cache.
+#
+# Further questions (no check): serve with `decode_impl="pallas"` (the split-K kernel, interpreted
+# here): are the tokens the same? Make `NUM_PAGES` too small for the longest prompt and its new
+# tokens: what does `serve` say, and why must a sequence's pages be known before it is admitted in
+# this design? Raise `BIG_SEQ` until the implementation with the least HBM no longer fits on a v5e:
+# which part of the training step's memory is then the largest?
+
+
+# %%
+def pages_needed(prompt_len, new_tokens, page_size):
+    raise NotImplementedError("FILL ME IN")
+
+
+def next_token(model, tokens):
+    raise NotImplementedError("FILL ME IN")
+
+
+# %%
+def check_exercises(pages_needed, next_token):
+    def check_pages():
+        for length in range(1, 40):
+            for new in (1, 3, 8):
+                for size in (1, 4, 8, 16):
+                    n = int(pages_needed(length, new, size))
+                    assert n * size >= length + new, ("too few", length, new, size, n)
+                    assert (n - 1) * size < length + new, ("more than needed", length, new, size, n)
+        taken = {i: len(pages) for _, kind, i, _, pages in served.events if kind == "admit"}
+        for i, prompt in enumerate(prompts):
+            assert int(pages_needed(len(lm.encode(prompt)), NEW_TOKENS[i], PAGE_SIZE)) == taken[i], i
+
+    def check_token():
+        for prompt, new in zip(prompts, served.tokens, strict=True):
+            tokens = np.asarray(lm.encode(prompt), np.int32)
+            for t in range(min(3, len(new))):  # the first tokens, each after the ones before it
+                sequence = np.concatenate([tokens, new[:t]]).astype(np.int32)
+                assert int(next_token(model, sequence)) == int(new[t]), (prompt, t)
+
+    run_checks({"1 pages needed": check_pages, "2 next token": check_token})
+
+
+check_exercises(pages_needed, next_token)
+
+# %% [markdown]
+# ## Solutions
+#
+# The cell below is hidden: open it after trying the exercises. It defines a solution for each
+# exercise and runs the same checks.
+
+# %% jupyter={"source_hidden": true} tags=["solution", "hide-input"]
+def pages_needed_solution(prompt_len, new_tokens, page_size):
+    return -(-(prompt_len + new_tokens) // page_size)  # ceil: the last page may be partly empty
+
+
+def next_token_solution(model, tokens):
+    logits = model(jnp.asarray(tokens)[None])  # [1, length, 256]: the whole sequence, no cache
+    return int(jnp.argmax(logits[0, -1]))
+
+
+check_exercises(pages_needed_solution, next_token_solution)

@@ -161,6 +161,7 @@ LAYERS = [
     # Beyond one call on one chip: many chips (sharded and ring attention) and decode over a KV cache.
     # Both build on the contract and the kernels below and are measured and modelled by the layers above.
     ("tpuattn.parallel", "tpuattn.decode", "tpuattn.flax"),
+    ("tpuattn.lm",),  # in a model: a small transformer trained and served through both contracts
     ("tpuattn.measure",),
     ("tpuattn.model",),
     ("tpuattn.viz", "tpuattn.exercises"),
