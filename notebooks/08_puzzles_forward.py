@@ -360,6 +360,16 @@ print("fetches, (step, block):", puzzles.fetched_blocks(kv_index_map, puzzles.CA
 # which starts every row's running state at the first K/V step, for the sink `puzzles.SINK`
 # (`tpuattn.attention(..., sinks=)` does the same for one sink per head, `tpuattn/sinks.py`).
 
+# %%
+n = puzzles.CAUSAL_GRID[0]
+fig, (ax,) = picture(width=3.6, height=3.2)
+draw_grid(ax, n, n, labels={(i, j): ("init + step" if j == 0 else "step") if j <= i else "hidden"
+                            for i in range(n) for j in range(n)},
+          colours={(i, j): FETCH if j <= i else HIDDEN for i in range(n) for j in range(n)},
+          title="the sink enters at each row's first step (j = 0)", xlabel="kv block j",
+          ylabel="query block i")
+plt.show()
+
 
 # %% tags=["puzzle"]
 def init(m_ref, l_ref, acc_ref):
