@@ -429,13 +429,15 @@ def release_matrix(rows: list[tuple[str, float, str, str]], jobs: list[Job]) -> 
         env = _venv.ENVS[release]
         libtpu = next((line.split("==")[1] for line in env.pins.read_text().splitlines()
                        if line.startswith("libtpu==")), "?")
+        stems = [p.stem[:2] for p in notebook_files(".ipynb")]
+        every = f"{stems[0]}-{stems[-1]}" if stems else "none"
         if release == "0.10.2":
             cells = (f"{full('unit-jax0.10.2')}: all unit tests", f"{full('compile')}: all compile tests",
-                     f"{full('nbval')}: 01-07, outputs compared (nbval)")
+                     f"{full('nbval')}: {every}, outputs compared (nbval)")
         elif release == "0.7.2":
             cells = (f"{full('unit-jax0.7.2')}: all unit tests",
                      f"{full('compile-jax0.7.2')}: all compile tests",
-                     f"{full('papermill-jax0.7.2')}: 01-07 executed, RUN_MEMORY = False")
+                     f"{full('papermill-jax0.7.2')}: {every} executed, RUN_MEMORY = False")
         else:
             stems = [p.stem for p in notebook_files(".ipynb") if p.stem[:2] in RELEASE_NOTEBOOKS]
             cells = (f"{smoke([f'{release} oracle'])}: the quick tier",
