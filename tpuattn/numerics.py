@@ -1,5 +1,6 @@
 """The arithmetic every implementation shares: the one matmul and its precision, the logit soft-cap,
-padding to a tile multiple, and the guard for kernels that differentiate only once."""
+padding to a tile multiple, the guard for kernels that differentiate only once, and the boolean mask
+(with zeros for rows that see no key) of the adapters to ``jax.nn``-style APIs."""
 
 from __future__ import annotations
 
@@ -70,3 +71,20 @@ def x64(enabled: bool):
     from jax.experimental import disable_x64, enable_x64
 
     return enable_x64() if enabled else disable_x64()
+
+
+def boolean_mask(segment_ids, spec):
+    """The contract's mask (bottom-right, with segment ids) as one boolean ``[batch or 1, 1, q_len,
+    kv_len]`` array: what ``jax.nn.dot_product_attention``-style APIs take as ``mask=`` (``xla``,
+    ``tokamax``), whose own causal and window flags align top-left."""
+    keep = spec.mask.dense(*(segment_ids or (None, None)), xp=jnp)  # [q, kv] or [batch, q, kv]
+    return keep[None, None] if segment_ids is None else keep[:, None]
+
+
+def zero_rows_without_keys(out, keep):
+    """``out [batch, q_len, heads, d]`` with zeros in the rows :func:`boolean_mask` ``keep`` gives no
+    key: such APIs fill masked logits with a large *finite* number, so a row that sees nothing gets
+    the mean of ``v``, and the contract says zeros. Selecting zeros also zeroes the cotangent flowing
+    into that row, so its gradients are exactly zero."""
+    any_key = jnp.moveaxis(jnp.any(keep, axis=-1), 1, 2)[..., None]  # [batch or 1, q_len, 1, 1]
+    return jnp.where(any_key, out, jnp.zeros((), out.dtype))

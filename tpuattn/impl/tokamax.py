@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from tpuattn import chips
 from tpuattn._checks import known_options
+from tpuattn.numerics import boolean_mask, zero_rows_without_keys
 from tpuattn.registry import register
 
 MIN_JAX = (0, 9, 2)
@@ -107,8 +108,7 @@ def _mask_arguments(segment_ids, spec) -> tuple[dict, object]:
             right = reach if mask.right_reach is None else mask.right_reach
             kwargs["local_window_size"] = (left, right)
         return kwargs, None
-    keep = mask.dense(*(segment_ids or (None, None)), xp=jnp)  # [q_len, kv_len] or [batch, q_len, kv_len]
-    keep = keep[None, None] if segment_ids is None else keep[:, None]
+    keep = boolean_mask(segment_ids, spec)
     return {"mask": keep}, keep
 
 
@@ -166,8 +166,7 @@ def tokamax_attention(q, k, v, segment_ids, spec, **options):
     else:
         out = call(q, k, v, mask)
     if keep is not None and spec.mask.rows_can_be_empty():
-        any_key = jnp.moveaxis(jnp.any(keep, axis=-1), 1, 2)[..., None]  # [batch or 1, q_len, 1, 1]
-        out = jnp.where(any_key, out, jnp.zeros((), out.dtype))
+        out = zero_rows_without_keys(out, keep)  # tokamax returns the mean of v there
     return out.astype(q.dtype)
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from tpuattn._checks import known_options
+from tpuattn.numerics import boolean_mask, zero_rows_without_keys
 from tpuattn.registry import ScheduleModel, register
 from tpuattn.supports import long_enough_for_flash
 
@@ -42,12 +43,6 @@ def _cudnn_compatible(spec) -> bool:
     if not mask.causal or mask.offset != 0:
         return False
     return mask.window is None or mask.right_reach == 0
-
-
-def _xla_mask(segment_ids, spec):
-    """Boolean ``[batch or 1, 1, q_len, kv_len]`` from the contract's mask (bottom-right)."""
-    keep = spec.mask.dense(*(segment_ids or (None, None)), xp=jnp)
-    return keep[None, None] if segment_ids is None else keep[:, None]
 
 
 def xla_attention(q, k, v, segment_ids, spec, **options):
@@ -74,7 +69,7 @@ def xla_attention(q, k, v, segment_ids, spec, **options):
     elif not mask.is_trivial:
         # jax.nn aligns is_causal and local_window_size top-left; the contract aligns
         # bottom-right. An explicit boolean mask says exactly what we mean.
-        keep = _xla_mask(segment_ids, spec)
+        keep = boolean_mask(segment_ids, spec)
         kwargs["mask"] = keep
     else:
         keep = None
@@ -86,12 +81,7 @@ def xla_attention(q, k, v, segment_ids, spec, **options):
         out = jax.nn.dot_product_attention(q, k, v, scale=spec.scale, implementation=implementation, **kwargs)
 
     if keep is not None and spec.mask.rows_can_be_empty():
-        # jax.nn fills masked logits with a large *finite* negative number, so a row that sees no
-        # key gets a uniform softmax: the mean of v. The contract says zeros. Selecting zeros
-        # also zeroes the cotangent flowing into that row, so its gradients are exactly zero.
-        any_key = jnp.any(keep, axis=-1)  # [batch or 1, 1, q_len]
-        any_key = jnp.moveaxis(any_key, 1, 2)[..., None]  # [batch or 1, q_len, 1, 1]
-        out = jnp.where(any_key, out, jnp.zeros((), out.dtype))
+        out = zero_rows_without_keys(out, keep)  # jax.nn returns the mean of v there
     return out.astype(q.dtype)
 
 
