@@ -152,7 +152,7 @@ def journey(port: int, token: str, shots: Path) -> list[str]:
             has=page.locator(".widget-label", has_text="block_q")).first
         try:
             widget.wait_for(state="visible", timeout=60000)
-            figure = widget.locator(".widget-output img").first
+            figure = widget.locator("img.widget-image").first
             figure.wait_for(state="visible", timeout=60000)
         except Exception:  # noqa: BLE001
             page.screenshot(path=str(shots / "lab_2_no_widget.png"), full_page=False)
@@ -175,12 +175,12 @@ def journey(port: int, token: str, shots: Path) -> list[str]:
         page.mouse.move(lane["x"] + lane["width"] * 0.75, box["y"] + box["height"] / 2, steps=8)
         page.mouse.up()
         with contextlib.suppress(Exception):   # judged below, with the slider's value
-            page.wait_for_function("([el, src]) => { const img = el.querySelector('.widget-output img');"
+            page.wait_for_function("([el, src]) => { const img = el.querySelector('img.widget-image');"
                                    " return img && img.src !== src; }",
                                    arg=[widget.element_handle(), before_src], timeout=60000)
         page.wait_for_timeout(500)
         after_value = readout.inner_text().strip()
-        after_src = widget.locator(".widget-output img").first.get_attribute("src")
+        after_src = widget.locator("img.widget-image").first.get_attribute("src")
         widget.screenshot(path=str(shots / "lab_3_widget_after.png"))
         page.screenshot(path=str(shots / "lab_4_page.png"))
         print(f"[lab] dragged q_len: {before_value} -> {after_value}; figure "

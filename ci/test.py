@@ -251,6 +251,10 @@ def notebook_job(stage: str, release: str, stem: str, tmp: Path, parameters: dic
     --jax``); the executed copy and figures go to ``tmp``; ``extra_env`` is added to its kernel's."""
     env = {**os.environ, "TPUATTN_FIGURES_DIR": str(tmp / "figures"), **_venv.CPU_WITH_TPU_COMPILER,
            **(extra_env or {})}
+    unknown = sorted(set(parameters) - notebook_parameters(stem))
+    if unknown:  # papermill only warns, and the notebook would run at its own sizes
+        raise ValueError(f"parameters {unknown} are not assigned one per line in {stem}'s parameters cell "
+                         f"(it assigns {sorted(notebook_parameters(stem))})")
     label = label or f"{release} {stem}"
     cmd = [str(_venv.MAIN.python), str(ROOT / "ci" / "notebooks.py"), "--jax", release,
            "--out", str(tmp / f"notebooks-{label.replace(' ', '-')}"), stem]

@@ -73,7 +73,9 @@ GRID_LEN = 1024  # the drawn grid: sequence length
 GRID_WINDOW = 384  # the drawn windowed grid: left window (with causal)
 RUN_BENCHMARKS = True  # time the compiled kernel -- only acts on a TPU runtime
 BENCH_SEQ_LENS = (1024, 2048, 4096)  # TPU timing: sequence lengths
-BENCH_BATCH, BENCH_HEADS, BENCH_HEAD_DIM = 4, 8, 128  # TPU timing: shape (bfloat16)
+BENCH_BATCH = 4  # TPU timing: batch (bfloat16 inputs)
+BENCH_HEADS = 8  # TPU timing: heads
+BENCH_HEAD_DIM = 128  # TPU timing: head dimension
 
 # %% [markdown]
 # ## Setup

@@ -74,7 +74,10 @@ CAUSAL = [True]  # [False, True] measures both (twice the rows)
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 4, 4, 64
 # On a TPU: a shape people train with (head_dim 128 fills the lanes; enough heads and batch that one
 # call is not dominated by launch overhead).
-TPU_BATCH, TPU_HEADS, TPU_KV_HEADS, TPU_HEAD_DIM = 4, 16, 16, 128
+TPU_BATCH = 4
+TPU_HEADS = 16
+TPU_KV_HEADS = 16
+TPU_HEAD_DIM = 128
 DTYPE = ""  # "" = bfloat16 on a TPU, float32 elsewhere (bf16 matmuls are emulated on CPU)
 REPEATS = 3
 IMPLS = "all"  # or a list such as ["reference", "blockwise"]

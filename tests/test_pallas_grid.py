@@ -39,6 +39,9 @@ def test_grid_widget_redraws_on_change(monkeypatch):
     monkeypatch.setattr(grid, "draw_grid", recording_draw_grid)
     widget = grid.grid_widget(q_len=256, kv_len=256, causal=True)
     assert drawn == [(256, 256, True, None, (128, 128))]
+    message, picture = widget.children[2:]
+    first = picture.value
+    assert first[:8] == b"\x89PNG\r\n\x1a\n" and message.value == ""
     q_len_slider, _, _, block_kv_slider = widget.children[0].children
     causal_box, window_box, window_slider = widget.children[1].children
     q_len_slider.value = 384
@@ -49,3 +52,22 @@ def test_grid_widget_redraws_on_change(monkeypatch):
     assert drawn[1:] == [(384, 256, True, None, (128, 128)), (384, 256, True, None, (128, 256)),
                          (384, 256, True, None, (128, 256)), (384, 256, True, (128, None), (128, 256)),
                          (384, 256, False, (128, None), (128, 256))]
+    assert picture.value != first and picture.value[:4] == b"\x89PNG"
+
+
+def test_grid_widget_shows_why_it_cannot_draw(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    widget = grid.grid_widget(q_len=256, kv_len=256, causal=True)
+    message, picture = widget.children[2:]
+    before = picture.value
+
+    def refusing_draw_grid(spec, block_sizes=None, **kwargs):
+        raise ValueError("block_q must divide q_len <b>")
+
+    monkeypatch.setattr(grid, "draw_grid", refusing_draw_grid)
+    widget.children[0].children[0].value = 384
+    assert "cannot draw" in message.value and "&lt;b&gt;" in message.value
+    assert picture.value == before

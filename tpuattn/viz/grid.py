@@ -85,12 +85,20 @@ def grid_widget(q_len: int = 1024, kv_len: int = 1024, block_q: int = 128, block
                 causal: bool = True, window: int | None = None, max_len: int = 4096):
     """Sliders that redraw :func:`draw_grid`; returns an ipywidgets ``VBox`` (display it).
 
+    The figure is a PNG in an ``Image`` widget whose ``value`` each redraw replaces: a widget state
+    update, with no output capture. (An ``Output`` widget with ``clear_output(wait=True)`` and
+    ``display(fig)`` inside it routes the figure through the frontend's output hooks; under papermill
+    that stalled a headless run of notebook 03 for the whole 300 s cell timeout, twice, when other
+    notebooks ran beside it.) A block size the kernel rejects shows its reason in an ``HTML`` line.
+
     Uses only widgets and calls present in ipywidgets 7.7.1 (Colab) and 8.x: ``IntSlider``,
-    ``SelectionSlider``, ``Checkbox``, ``Output``, ``HBox``/``VBox`` and ``observe``.
+    ``SelectionSlider``, ``Checkbox``, ``Image``, ``HTML``, ``HBox``/``VBox`` and ``observe``.
     """
+    import html
+    import io
+
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
-    from IPython.display import clear_output, display
 
     style = {"description_width": "initial"}
     lengths = dict(min=128, max=max_len, step=128, continuous_update=False, style=style)
@@ -104,24 +112,26 @@ def grid_widget(q_len: int = 1024, kv_len: int = 1024, block_q: int = 128, block
     w_use_window = widgets.Checkbox(value=window is not None, description="window")
     w_window = widgets.IntSlider(value=window if window is not None else 256, min=0, max=max_len, step=64,
                                  description="window (left)", continuous_update=False, style=style)
-    out = widgets.Output()
+    picture = widgets.Image(format="png")
+    message = widgets.HTML(value="")
 
     def redraw(_change=None):
         spec = spec_for(w_q_len.value, w_kv_len.value, causal=w_causal.value,
                         window=(w_window.value, None) if w_use_window.value else None)
-        with out:
-            clear_output(wait=True)
-            try:
-                fig = draw_grid(spec, (w_block_q.value, w_block_kv.value))
-            except ValueError as error:  # e.g. a block size the kernel rejects
-                print(f"cannot draw: {error}")
-                return
-            display(fig)
-            plt.close(fig)
+        try:
+            fig = draw_grid(spec, (w_block_q.value, w_block_kv.value))
+        except ValueError as error:  # e.g. a block size the kernel rejects
+            message.value = f"<b>cannot draw:</b> {html.escape(str(error))}"
+            return
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", bbox_inches="tight")
+        plt.close(fig)
+        message.value = ""
+        picture.value = buffer.getvalue()
 
     controls = (w_q_len, w_kv_len, w_block_q, w_block_kv, w_causal, w_use_window, w_window)
     for control in controls:
         control.observe(redraw, names="value")
     redraw()
     return widgets.VBox([widgets.HBox([w_q_len, w_kv_len, w_block_q, w_block_kv]),
-                         widgets.HBox([w_causal, w_use_window, w_window]), out])
+                         widgets.HBox([w_causal, w_use_window, w_window]), message, picture])
