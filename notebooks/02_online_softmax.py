@@ -233,7 +233,8 @@ for step in steps[:3]:
 #   compiler sees one small `[block_q, block_kv]` tile at a time;
 # - **(b)** `jax.vmap` over query blocks (`blockwise.vmap_attention`): each key-block step becomes one
 #   batched matmul over all query blocks, which the compiler can spread over every core (or, on a
-#   TPU, feed the MXU with large tiles).
+#   TPU, feed the MXU with large tiles: the MXU is the TPU core's matrix-multiply unit, a 128 x 128
+#   grid of multiply-accumulators, https://cloud.google.com/tpu/docs/system-architecture-tpu-vm).
 #
 # This is the story of "Forcing Flash Attention onto a TPU": the `fori_loop` version ran many times
 # slower than XLA's attention, and expressing the query blocks with `vmap` made it about **45x faster
@@ -284,19 +285,15 @@ if RUN_TIMING:
 # package's `blockwise`, which batches all query rows of a step into one matmul, need not be the
 # fastest line here; what it must beat is the materialised reference and XLA's attention, which
 # `benchmarks/blockwise_vs_reference.py` measures from 1024 to 8192 tokens.) On a TPU the balance flips.
-# A v5e TensorCore has four 128x128 matrix units (MXUs) and a vector unit, driven by VLIW bundles
-# that the compiler schedules (Google Cloud's TPU v5e documentation; "How to Scale Your Model",
-# the TPU chapter). A `fori_loop` body is compiled once and run as a sequence of separate fusions per
-# iteration: each iteration's small tiles and running state make a round trip through HBM, and
-# nothing of one iteration overlaps the next, so the matrix units wait on memory and on the loop.
-# The vmapped version hands XLA one large batched matmul per key block, which it can fuse, tile
-# across the MXUs and pipeline: the write-up's 45x.
-# What carries over to the Pallas kernel of notebook 03 is the information, not the mechanism. A
-# Pallas grid on a TPU runs its steps in order on one core; marking the query-block dimension
-# `parallel` says the steps are independent, which lets the compiler split them over the two
-# TensorCores of a megacore chip (v4, v5p) and does nothing on a one-core chip (v5e, v6e). The
-# kernel's speed comes from keeping each tile and the running state in VMEM, not from running query
-# blocks at once.
+# A v5e chip has one core (a TensorCore) with four MXUs (https://cloud.google.com/tpu/docs/v5e), and
+# a 128 x 128 array is kept busy only by large tiles. XLA compiles a `fori_loop` body once, as a few
+# *fusions* -- groups of operations it compiles into one kernel so that their intermediates stay out
+# of memory (https://openxla.org/xla/architecture) -- and runs them again on every iteration: each
+# iteration's small tiles and running state make a round trip through HBM, and nothing of one
+# iteration overlaps the next, so the MXUs wait on memory and on the loop (the write-up's diagnosis).
+# The vmapped version hands XLA one large batched matmul per key block, which it can tile across the
+# MXUs and pipeline: the write-up's 45x. Notebook 03 carries the lesson into a Pallas kernel, where
+# the speed comes instead from keeping each tile and the running state in the core's on-chip memory.
 
 # %% [markdown]
 # ## 5. Memory against sequence length
@@ -343,10 +340,13 @@ if RUN_MEMORY:
 # ## 6. What the blocks buy on a TPU: bytes per FLOP
 #
 # Memory capacity is the first argument for the online softmax; on a TPU the second matters as much:
-# **HBM traffic**. A TPU core computes from VMEM, and everything it reads or writes in HBM crosses a
-# link with a fixed bandwidth. A program's *arithmetic intensity* -- FLOPs per byte moved to or from
-# HBM -- decides which limit binds: below the chip's **ridge point** (peak FLOP/s divided by HBM
-# bandwidth) it is memory bound, above it compute bound (Williams, Waterman & Patterson's roofline).
+# **HBM traffic**. A TPU core computes from VMEM, its on-chip vector memory (notebook 03 programs it),
+# and everything it reads or writes in HBM crosses a link with a fixed bandwidth ("How to Scale Your
+# Model", https://jax-ml.github.io/scaling-book/tpus/). A program's *arithmetic intensity* -- FLOPs
+# per byte moved to or from HBM -- decides which limit binds: below the chip's **ridge point** (peak
+# FLOP/s divided by HBM bandwidth) it is memory bound, above it compute bound. That is the *roofline*
+# model (Williams, Waterman & Patterson, 2009; https://jax-ml.github.io/scaling-book/roofline/):
+# time is at least the larger of FLOPs / peak and bytes / bandwidth. Notebook 05 draws it per chip.
 #
 # Count both schedules for one forward pass of `[IO_BATCH, T, IO_HEADS, IO_HEAD_DIM]` bfloat16 inputs,
 # no mask:
@@ -355,7 +355,7 @@ if RUN_MEMORY:
 #   $4 B H T^2 d$.
 # - **Materialised** (`impl="reference"` as XLA:TPU runs it): read Q, K, V, write O, and the float32
 #   score matrix written once and read back twice -- for the row sums, and for the normalised $PV$
-#   matmul. Those passes are the package's own account of XLA's fused graph,
+#   matmul. Those passes are the package's own account of XLA's fusions,
 #   `tpuattn.model.roofline.MATERIALISED_FWD_PASSES`, so this cell reads the bytes per score from it.
 # - **Flash** (the schedule of notebook 03's Pallas kernel, `impl="pallas"`): Q read and O written
 #   once; K and V read once per query block, $T / \text{block}_q$ times. No score ever reaches HBM.
@@ -458,9 +458,9 @@ for name in ("v5e", "v6e"):
 # > **Takeaway.** Positions are known at trace time, so the tiles a causal or window mask hides can be
 # > removed from the schedule altogether: a causal square grid runs $n(n+1)/2$ of $n^2$ tiles.
 #
-# > **Takeaway.** Express independent query blocks as independent (`vmap`, a batched matmul, a
-# > `parallel` grid axis), not as a sequential loop: the loop serialises work the hardware could
-# > overlap (45x on a TPU v5e in the write-up; much less on a 2-core CPU).
+# > **Takeaway.** Express independent query blocks as independent (`vmap`, a batched matmul; in
+# > notebook 03's kernel, a `parallel` grid axis), not as a sequential loop: the loop serialises work
+# > the hardware could overlap (45x on a TPU v5e in the write-up; much less on a 2-core CPU).
 #
 # > **Takeaway.** On a TPU the blocks buy HBM traffic: materialised attention moves ~12 bytes per
 # > score and stays near $d/3$ FLOP/byte, below every chip's ridge point; the flash schedule of
@@ -591,10 +591,14 @@ progress = check_exercises(merge_states=merge_states, window_tiles=window_tiles,
 #   https://docs.jax.dev/en/latest/_autosummary/jax.vmap.html.
 # - S. Williams, A. Waterman, D. Patterson, "Roofline: An Insightful Visual Performance Model for
 #   Multicore Architectures", Communications of the ACM 52(4), 2009 (arithmetic intensity, ridge point).
-# - Google Cloud, TPU v5e (four MXUs per TensorCore; peak bf16 FLOP/s, HBM bandwidth):
+# - Google Cloud, TPU system architecture (the MXU, a 128 x 128 array of multiply-accumulators):
+#   https://cloud.google.com/tpu/docs/system-architecture-tpu-vm; TPU v5e (four MXUs per TensorCore;
+#   peak bf16 FLOP/s, HBM bandwidth):
 #   https://cloud.google.com/tpu/docs/v5e; TPU v6e: https://cloud.google.com/tpu/docs/v6e; the
 #   numbers used here are JAX's own table, `tpuattn.chips`;
-#   J. Austin et al., "How to Scale Your Model", https://jax-ml.github.io/scaling-book/tpus/.
+#   J. Austin et al., "How to Scale Your Model", https://jax-ml.github.io/scaling-book/tpus/ (VMEM,
+#   HBM) and https://jax-ml.github.io/scaling-book/roofline/ (the roofline).
+# - OpenXLA, XLA architecture (fusion): https://openxla.org/xla/architecture.
 # - A. Zhang, "Forcing Flash Attention onto a TPU and Learning the Hard Way", 2026,
 #   https://archerzhang.me/forcing-flash-attention-onto-a-tpu -- the fori_loop and vmap timings.
 
