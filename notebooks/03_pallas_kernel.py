@@ -159,8 +159,9 @@ def lowers_for_tpu(fn, *args):
 # kernel is the reference algorithm on one tile that fits: a `[T, D]` query block against a `[T, D]`
 # key/value block.
 #
-# The two matmuls run on the MXU (the TPU's matrix unit); `preferred_element_type=jnp.float32`
-# asks for float32 accumulation whatever the input dtype.
+# The two matmuls run on the MXU, the TPU core's matrix-multiply unit: a 128 x 128 array of
+# multiply-accumulators (https://cloud.google.com/tpu/docs/system-architecture-tpu-vm).
+# `preferred_element_type=jnp.float32` asks for float32 accumulation whatever the input dtype.
 
 # %%
 NT = (((1,), (1,)), ((), ()))  # dot_general dims: contract the last dim of both -> q @ k.T, no transpose
@@ -210,7 +211,8 @@ check("step 1, one block (float32)", one_block_attention(q1, k1, v1), want, 2e-5
 # > divisible by 8 and 128** -- or to equal the array's full dimensions. Head dimension 64 passes only
 # > by that escape clause (the block spans the whole dimension) and then fills half of each
 # > register's lanes; the package pads `head_dim` to a multiple of 128 for that reason. The MXU
-# > multiplies 128 x 128 tiles (256 x 256 on v6e), another reason blocks come in multiples of 128.
+# > multiplies 128 x 128 tiles (256 x 256 on v6e, https://cloud.google.com/tpu/docs/v6e), another
+# > reason blocks come in multiples of 128.
 # > A bfloat16 value is 16 bits, so two rows share each 32-bit sublane: the compiler lays bfloat16
 # > arrays out as `T(8,128)(2,1)`, an (8, 128) tile of 32-bit words each holding two rows, so the
 # > native bfloat16 tile is **(16, 128)** ("How to Scale Your Model", the profiling chapter,
@@ -337,69 +339,54 @@ if COMPILER:
 # > a new query block; `pl.when(kv == last)` normalises and stores the output tile. The output's
 # > index map ignores the kv index, so its block stays resident in VMEM across the kv steps and is
 # > written to HBM once, when the query block changes.
+#
+# The update itself is `online_softmax_update`, the formulas above. The `pallas_call` -- grid,
+# `BlockSpec`s, scratch, axis semantics -- goes in `flash_call`, which steps 4 and 5 reuse with their
+# own kernel and K/V index map.
 
 # %%
-# A finite "minus infinity": exp(MASK_VALUE - m) = 0, and never inf - inf = NaN.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+def online_softmax_update(s, v_ref, m_scr, l_scr, acc_scr):
+    """Fold one float32 score tile s [block_q, block_kv] and its V block into the running m, l, acc."""
+    m_prev = m_scr[...]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_next)  # rescales what was accumulated under the old max
+    p = jnp.exp(s - m_next)
+    l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=-1, keepdims=True)
+    acc_scr[...] = alpha * acc_scr[...] + jnp.dot(p.astype(v_ref.dtype), v_ref[...],
+                                                  precision=matmul_precision(v_ref.dtype),
+                                                  preferred_element_type=jnp.float32)
+    m_scr[...] = m_next
 
 
-def flash_kernel(q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *, scale, causal, block_q, block_kv,
-                 offset):
-    qi, kj = pl.program_id(2), pl.program_id(3)
+def flash_kernel(q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *, scale):
+    kj = pl.program_id(3)  # the kv step (grid axis 3)
 
-    @pl.when(kj == 0)
+    @pl.when(kj == 0)  # a new query block: reset its running statistics
     def _init():
         m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    def update():
-        precision = matmul_precision(q_ref.dtype)
-        s = jax.lax.dot_general(q_ref[...], k_ref[...], NT, precision=precision,
-                                preferred_element_type=jnp.float32) * scale
-        if causal:  # step 4: hide keys after the query's position (bottom-right aligned)
-            rows = qi * block_q + offset + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-            cols = kj * block_kv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            s = jnp.where(cols <= rows, s, MASK_VALUE)
-        m_prev = m_scr[...]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)  # rescales what was accumulated under the old max
-        p = jnp.exp(s - m_next)
-        l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=-1, keepdims=True)
-        acc_scr[...] = alpha * acc_scr[...] + jnp.dot(p.astype(v_ref.dtype), v_ref[...], precision=precision,
-                                                      preferred_element_type=jnp.float32)
-        m_scr[...] = m_next
+    s = jax.lax.dot_general(q_ref[...], k_ref[...], NT, precision=matmul_precision(q_ref.dtype),
+                            preferred_element_type=jnp.float32) * scale
+    online_softmax_update(s, v_ref, m_scr, l_scr, acc_scr)
 
-    if causal:  # step 4: compute only if the block's first key is visible to its last query
-        pl.when(kj * block_kv <= qi * block_q + block_q - 1 + offset)(update)
-    else:
-        update()
-
-    @pl.when(kj == pl.num_programs(3) - 1)
+    @pl.when(kj == pl.num_programs(3) - 1)  # its last kv block: normalise and store
     def _write():
         o_ref[...] = (acc_scr[...] / l_scr[...]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "block_q", "block_kv", "interpret"))
-def flash_attention(q, k, v, *, causal=False, block_q=BLOCK_Q, block_kv=BLOCK_KV, interpret=INTERPRET):
-    """q: [b, tq, hq, d]; k, v: [b, tk, hkv, d]; tq, tk multiples of the blocks; tk >= tq if causal."""
+def flash_call(kernel, kv_map, q, k, v, *, block_q, block_kv, interpret):
+    """Run ``kernel`` on the grid (batch, q heads, q blocks, kv blocks) with float32 scratch m, l, acc;
+    K and V blocks follow ``kv_map``. q: [b, tq, hq, d]; k, v: [b, tk, hkv, d]; lengths multiples of
+    the blocks."""
     b, tq, hq, d = q.shape
-    _, tk, hkv, _ = k.shape
-    group = hq // hkv
-    offset = tk - tq  # bottom-right alignment: query i sits at key position i + offset
+    tk = k.shape[1]
     squeeze = pl.squeezed
 
     def q_map(bi, hi, qi, kj):
         return (bi, hi, qi, 0)  # ignores kj: the q block stays resident across the kv steps
 
-    def kv_map(bi, hi, qi, kj):
-        if causal:  # step 4: past the last visible block, keep naming it -> nothing new is fetched
-            last_visible = jax.lax.div(qi * block_q + block_q - 1 + offset, block_kv)
-            kj = jnp.minimum(kj, last_visible)
-        return (bi, jax.lax.div(hi, group), kj, 0)  # step 5: query head hi reads kv head hi // group
-
-    kernel = functools.partial(flash_kernel, scale=d ** -0.5, causal=causal, block_q=block_q,
-                               block_kv=block_kv, offset=offset)
     out = pl.pallas_call(
         kernel,
         grid=(b, hq, tq // block_q, tk // block_kv),  # the kv axis is last ...
@@ -416,6 +403,16 @@ def flash_attention(q, k, v, *, causal=False, block_q=BLOCK_Q, block_kv=BLOCK_KV
         interpret=interpret,
     )(to_bhtd(q), to_bhtd(k), to_bhtd(v))
     return to_bhtd(out)
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "interpret"))
+def flash_attention(q, k, v, *, block_q=BLOCK_Q, block_kv=BLOCK_KV, interpret=INTERPRET):
+    """No mask; q, k, v: [b, t, h, d] with equal head counts."""
+    def kv_map(bi, hi, qi, kj):
+        return (bi, hi, kj, 0)  # kv step kj holds kv block kj
+
+    kernel = functools.partial(flash_kernel, scale=q.shape[-1] ** -0.5)
+    return flash_call(kernel, kv_map, q, k, v, block_q=block_q, block_kv=block_kv, interpret=interpret)
 
 
 # %% tags=["nbval-ignore-output"]
@@ -446,20 +443,16 @@ if COMPILER:
 # %% [markdown]
 # Every `block_kv` above compiles, in both dtypes -- 8-row bfloat16 blocks included.
 #
-# `flash_attention` already contains steps 4 and 5 (marked in the comments); with `causal=False` and
-# equal head counts they are inactive. (Index maps use `jax.lax.div` rather than `//`: the indices
-# are non-negative, so truncating division equals floor division, and it lowers to a single scalar
-# op on every TPU generation.)
-#
 # **VMEM budget and block sizes.** Per grid step the kernel holds the Q, K, V blocks and the output
 # block -- each double-buffered by the pipeline -- plus the float32 scratch and the float32
-# `[block_q, block_kv]` temporaries (`s`, `p`, the mask). The package writes that sum down once,
-# `tpuattn.pallas.forward_vmem_bytes`. The model is a planning estimate; the judge is the TPU
-# compiler. `python -m tpuattn.aot --blocks` compiled the kernels with every pair of blocks from
-# 128 to 1024 for every chip (at Mosaic's default scoped VMEM limit); the table ships with the
-# package, and on a TPU the default blocks come from it: the largest accepted pair up to 512, or
-# 1024 where the chip's ridge point exceeds 512 FLOP/byte. Off a TPU (interpret mode) the budget
-# rule picks: the largest blocks whose modelled need fits an eighth of the VMEM, at most 16 MiB.
+# `[block_q, block_kv]` temporaries (`s`, `p` and, from step 4 on, the mask). The package writes
+# that sum down once, `tpuattn.pallas.forward_vmem_bytes`. The model is a planning estimate; the
+# judge is the TPU compiler. `python -m tpuattn.aot --blocks` compiled the kernels with every pair
+# of blocks from 128 to 1024 for every chip (at Mosaic's default scoped VMEM limit); the table ships
+# with the package, and on a TPU the default blocks come from it: the largest accepted pair up to
+# 512, or 1024 where the chip's ridge point exceeds 512 FLOP/byte. Off a TPU (interpret mode) the
+# budget rule picks: the largest blocks whose modelled need fits an eighth of the VMEM, at most
+# 16 MiB.
 
 # %%
 from tpuattn import chips as chip_table
@@ -509,32 +502,93 @@ for name in ("v4", "v5e", "v5p", "v6e", "tpu7x"):
 # `broadcasted_iota` and masks the scores. `MASK_VALUE` is a large finite negative number rather
 # than `-inf`: every row of this lesson kernel sees key 0 in its first block, so `m` is finite from
 # the first step on and `exp(MASK_VALUE - m)` is exactly 0 (the package also handles rows that see
-# nothing at all, which need `-inf` and a guard).
+# nothing at all, which need `-inf` and a guard). The lines marked `new` are all that changed from
+# step 3.
+
+# %%
+# A finite "minus infinity": exp(MASK_VALUE - m) = 0, and never inf - inf = NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def causal_kernel(q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *, scale, block_q, block_kv, offset):
+    qi, kj = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(kj == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    @pl.when(kj * block_kv <= qi * block_q + block_q - 1 + offset)  # new: block's first key visible?
+    def _update():
+        s = jax.lax.dot_general(q_ref[...], k_ref[...], NT, precision=matmul_precision(q_ref.dtype),
+                                preferred_element_type=jnp.float32) * scale
+        rows = qi * block_q + offset + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)  # new: positions
+        cols = kj * block_kv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        online_softmax_update(jnp.where(cols <= rows, s, MASK_VALUE), v_ref, m_scr, l_scr, acc_scr)
+
+    @pl.when(kj == pl.num_programs(3) - 1)
+    def _write():
+        o_ref[...] = (acc_scr[...] / l_scr[...]).astype(o_ref.dtype)
+
+
+def causal_kv_map(block_q, block_kv, offset):
+    """Step 3's K/V index map, clamped to the q block's last visible kv block."""
+    def kv_map(bi, hi, qi, kj):
+        # jax.lax.div, not //: the indices are non-negative, so truncating division is floor
+        # division, and it lowers to one scalar op on every TPU generation.
+        last_visible = jax.lax.div(qi * block_q + block_q - 1 + offset, block_kv)
+        return (bi, hi, jnp.minimum(kj, last_visible), 0)  # new: past it, name it again -> no fetch
+    return kv_map
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "interpret"))
+def causal_attention(q, k, v, *, block_q=BLOCK_Q, block_kv=BLOCK_KV, interpret=INTERPRET):
+    """Step 3 under a causal mask, bottom-right aligned (kv_len >= q_len)."""
+    offset = k.shape[1] - q.shape[1]  # query row i sits at key position i + offset
+    kernel = functools.partial(causal_kernel, scale=q.shape[-1] ** -0.5, block_q=block_q,
+                               block_kv=block_kv, offset=offset)
+    return flash_call(kernel, causal_kv_map(block_q, block_kv, offset), q, k, v, block_q=block_q,
+                      block_kv=block_kv, interpret=interpret)
+
 
 # %% tags=["nbval-ignore-output"]
-want = reference(q, k, v, causal=True)
-check("step 4, causal with skipped blocks", flash_attention(q, k, v, causal=True), want, 2e-5)
+check("step 4, causal with skipped blocks", causal_attention(q, k, v), reference(q, k, v, causal=True), 2e-5)
 q_half = q[:, SEQ_LEN // 2:]  # q_len < kv_len: the queries are the last half of the keys' positions
-check("step 4, causal, q_len < kv_len", flash_attention(q_half, k, v, causal=True),
+check("step 4, causal, q_len < kv_len", causal_attention(q_half, k, v),
       reference(q_half, k, v, causal=True), 2e-5)
 
 # %% [markdown]
 # ## Step 5 · GQA and MQA through the index maps
 #
 # With grouped-query attention, `num_q_heads = group x num_kv_heads` and query head `h` reads
-# key/value head `h // group`. The kernel body does not change at all: the grid runs over *query*
-# heads and the K/V index map returns `hi // group` as the head block index. K and V are never
-# repeated in HBM -- but each query head of a group streams its kv head's blocks again (the grid
-# visits every q block of head `h` before head `h + 1`), which the byte count below shows. MQA is
-# the case `num_kv_heads = 1` (the package's checks below include it).
+# key/value head `h // group`. The kernel body does not change at all: the grid already runs over
+# *query* heads, and step 4's K/V index map gets `hi // group` as the head block index. K and V are
+# never repeated in HBM -- but each query head of a group streams its kv head's blocks again (the
+# grid visits every q block of head `h` before head `h + 1`), which the byte count below shows. MQA
+# is the case `num_kv_heads = 1` (the package's checks below include it).
+
+# %%
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "interpret"))
+def gqa_attention(q, k, v, *, block_q=BLOCK_Q, block_kv=BLOCK_KV, interpret=INTERPRET):
+    """Step 4 (causal) with q heads = group x kv heads: the same kernel, a new K/V index map."""
+    group, offset = q.shape[2] // k.shape[2], k.shape[1] - q.shape[1]
+    causal_map = causal_kv_map(block_q, block_kv, offset)
+
+    def kv_map(bi, hi, qi, kj):
+        return causal_map(bi, jax.lax.div(hi, group), qi, kj)  # new: query head hi reads kv head hi // group
+
+    kernel = functools.partial(causal_kernel, scale=q.shape[-1] ** -0.5, block_q=block_q,
+                               block_kv=block_kv, offset=offset)
+    return flash_call(kernel, kv_map, q, k, v, block_q=block_q, block_kv=block_kv, interpret=interpret)
+
+
+q_gqa = rand((1, SEQ_LEN, 2 * NUM_HEADS, HEAD_DIM), 6)  # group of 2 query heads per kv head
+q_b, k_b, v_b = (x.astype(jnp.bfloat16) for x in (q_gqa, k, v))
 
 # %% tags=["nbval-ignore-output"]
-q_gqa = rand((1, SEQ_LEN, 2 * NUM_HEADS, HEAD_DIM), 6)  # group of 2 query heads per kv head
-check("step 5, GQA (group 2), causal", flash_attention(q_gqa, k, v, causal=True),
-      reference(q_gqa, k, v, causal=True), 2e-5)
-q_b, k_b, v_b = (x.astype(jnp.bfloat16) for x in (q_gqa, k, v))
-check("step 5, GQA in bfloat16", flash_attention(q_b, k_b, v_b, causal=True),
-      reference(q_b, k_b, v_b, causal=True), 2e-2)
+check("step 5, GQA (group 2), causal", gqa_attention(q_gqa, k, v), reference(q_gqa, k, v, causal=True), 2e-5)
+check("step 5, GQA in bfloat16", gqa_attention(q_b, k_b, v_b), reference(q_b, k_b, v_b, causal=True), 2e-2)
 
 # %% [markdown]
 # Would our lesson kernel compile on a TPU? Its Mosaic lowering says yes, for float32 and bfloat16;
@@ -544,10 +598,10 @@ check("step 5, GQA in bfloat16", flash_attention(q_b, k_b, v_b, causal=True),
 
 # %%
 for name, args in (("float32", (q_gqa, k, v)), ("bfloat16", (q_b, k_b, v_b))):
-    verdict = lowers_for_tpu(functools.partial(flash_attention, causal=True, interpret=False), *args)
+    verdict = lowers_for_tpu(functools.partial(gqa_attention, interpret=False), *args)
     print(f"lesson flash kernel, causal GQA, {name}: Mosaic lowering {verdict}")
 if COMPILER:
-    lesson = functools.partial(flash_attention, causal=True, interpret=False)
+    lesson = functools.partial(gqa_attention, interpret=False)
     cases = [("v5e", "float32", (q_gqa, k, v)), ("v5e", "bfloat16", (q_b, k_b, v_b)),
              ("v2", "float32", (q_gqa, k, v)), ("v2", "bfloat16", (q_b, k_b, v_b)),
              ("v5e", "bfloat16, 32k tokens", [jax.ShapeDtypeStruct((1, 32768, 1, 128), jnp.bfloat16)] * 3)]
@@ -652,21 +706,15 @@ print("block_tables == tpuattn.pallas.plan.build_schedule for 4 masks and shapes
 # We pass the tables flattened to 1-D, as the package does (`Schedule` in `tpuattn/pallas/plan.py`):
 # entry `(i, s)` is `kv_index_ref[i * steps + s]`.
 #
-# **The index maps, before we use them.** The K/V index map returns
-# `(b, h // group, kv_index[i, s], 0)`:
-#
-# * **the clamp, now in the table.** A step past row `i`'s count names the row's last visible block
-#   again (the padding), so its block index equals the previous step's and the pipeline issues no
-#   new DMA; the body's `pl.when(s < kv_count[i])` skips its compute. The next q block often starts
-#   on the block this one ended with (block 0 under a causal mask): no DMA either.
-# * **GQA** as in step 5: query head `h` reads kv head `h // group` (`jax.lax.div`); K and V are
-#   never copied per query head.
-#
-# The body changes in one place besides the guard: the mask needs the *key positions* of the block
-# it holds, `kv_index[i, s] * block_kv`, no longer `s * block_kv`. With a window, a row may see
-# nothing in the first block its q block visits; its `m` is then `MASK_VALUE`, and the garbage it
-# sums is multiplied by `alpha = exp(MASK_VALUE - m') = 0` as soon as a visible key arrives, which
-# happens because every row sees its own position.
+# **What changes from step 5.** The K/V index map returns `(b, h // group, kv_index[i, s], 0)`:
+# step 5's head map, with step 4's clamp now in the table -- a padded step names the row's last
+# visible block again, so the pipeline fetches nothing, and the body's `pl.when(s < kv_count[i])`
+# skips its compute. (The next q block often starts on the block this one ended with, block 0 under
+# a causal mask: no DMA either.) In the body, the mask needs the *key positions* of the block it
+# holds, `kv_index[i, s] * block_kv`, no longer `s * block_kv`, and a window adds its left edge. With
+# a window, a row may see nothing in the first block its q block visits; its `m` is then
+# `MASK_VALUE`, and the garbage it sums is multiplied by `alpha = exp(MASK_VALUE - m') = 0` as soon
+# as a visible key arrives, which happens because every row sees its own position.
 
 # %%
 def scheduled_kernel(kv_index_ref, kv_count_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *,
@@ -682,23 +730,14 @@ def scheduled_kernel(kv_index_ref, kv_count_ref, q_ref, k_ref, v_ref, o_ref, m_s
 
     @pl.when(step < kv_count_ref[qi])  # new: padded steps (the clamp) compute nothing
     def _update():
-        precision = matmul_precision(q_ref.dtype)
-        s = jax.lax.dot_general(q_ref[...], k_ref[...], NT, precision=precision,
+        s = jax.lax.dot_general(q_ref[...], k_ref[...], NT, precision=matmul_precision(q_ref.dtype),
                                 preferred_element_type=jnp.float32) * scale
         rows = qi * block_q + offset + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
         cols = kv_block * block_kv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)  # new: from the table
         keep = cols <= rows if causal else jnp.ones(s.shape, bool)
         if left is not None:
             keep = jnp.logical_and(keep, cols >= rows - left)  # new: the window's left edge
-        s = jnp.where(keep, s, MASK_VALUE)
-        m_prev = m_scr[...]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next)
-        l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=-1, keepdims=True)
-        acc_scr[...] = alpha * acc_scr[...] + jnp.dot(p.astype(v_ref.dtype), v_ref[...], precision=precision,
-                                                      preferred_element_type=jnp.float32)
-        m_scr[...] = m_next
+        online_softmax_update(jnp.where(keep, s, MASK_VALUE), v_ref, m_scr, l_scr, acc_scr)
 
     @pl.when(step == steps - 1)
     def _write():
@@ -785,10 +824,6 @@ verdict = lowers_for_tpu(functools.partial(scheduled_attention, left=WINDOW_LEFT
 print("  Mosaic lowering of the scheduled kernel:", verdict)
 
 # %% [markdown]
-# A clamp alone only stops at the *last* visible block: a window kernel on the full grid would walk
-# (and fetch) the hidden blocks on the left of the band, then idle to the end of the row. The
-# scheduled grid walks the band alone.
-#
 # The package builds the same tables with more care (`tpuattn/pallas/plan.py`): `build_schedule`
 # sorts the visible blocks to the front in JAX, parks a q block that sees nothing on the block the
 # previous one ended with, and adds a third table, `needs_mask`, so that tiles every row sees whole
@@ -1183,21 +1218,22 @@ else:
 #    size, how many K/V fetches does the causal schedule issue per head? Checked against `kv_schedule`
 #    for n = 1..12.
 # 3. **A window's index map** (★★☆, 15 min). For a sliding window `(left, 0)` on a causal mask
-#    (`q_len == kv_len`) on the *full* grid of the lesson kernel, write the clamped kv block index for
+#    (`q_len == kv_len`) on the *full* grid of step 4's kernel, write the clamped kv block index for
 #    grid step `(qi, kj)`: the first visible block is `(qi * block_q - left) // block_kv` (at least 0),
 #    the last `((qi + 1) * block_q - 1) // block_kv`; step `kj` visits `first + kj`, clamped to `last`.
 #    Checked: the blocks it names are exactly the tiles `tpuattn.MaskSpec.block_map` calls non-empty.
 # 4. **Softcap in the kernel** (★★☆, 20 min). Write `softcap_flash_attention(q, k, v, *, cap,
-#    causal=False)`: step 3's `flash_attention` with the scores capped, `cap * tanh(s / cap)`, after the
-#    scale and before the mask -- a new kernel body and its `pallas_call` (copy and change them).
-#    Checked with logits large enough for the cap to matter.
+#    causal=False)`: the lesson kernel with the scores capped, `cap * tanh(s / cap)`, after the scale
+#    and before the mask -- step 3's `flash_kernel` (step 4's `causal_kernel` when `causal`) copied
+#    with that line added, run by `flash_call` with the same step's K/V index map. Checked with
+#    logits large enough for the cap to matter.
 # 5. **Save the logsumexp** (★★★, 30 min). The backward (step 6) needs each row's
 #    `lse = m + log(l)`. Write `flash_attention_with_lse(q, k, v, *, causal=False)` returning
 #    `(out, lse)` with `lse` of shape `[batch, heads, q_len]`, float32: a second kernel output written
-#    on the last kv step. Give it a `[batch, heads, q_len, 128]` float32 array and a
-#    `(block_q, 128)` block with the value in every lane -- a `(block_q, 1)` block would break the
-#    tile rule on a TPU -- and return lane 0. Checked against `jax.nn.logsumexp` of the scaled,
-#    masked scores.
+#    on the last kv step (a copy of `flash_call` with two outputs). Give it a
+#    `[batch, heads, q_len, 128]` float32 array and a `(block_q, 128)` block with the value in every
+#    lane -- a `(block_q, 1)` block would break the tile rule on a TPU -- and return lane 0. Checked
+#    against `jax.nn.logsumexp` of the scaled, masked scores.
 
 
 # %%
@@ -1346,8 +1382,7 @@ def solution_kernel(q_ref, k_ref, v_ref, o_ref, *rest, scale, causal, block_q, b
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
     def update():
-        precision = matmul_precision(q_ref.dtype)
-        s = jax.lax.dot_general(q_ref[...], k_ref[...], NT, precision=precision,
+        s = jax.lax.dot_general(q_ref[...], k_ref[...], NT, precision=matmul_precision(q_ref.dtype),
                                 preferred_element_type=jnp.float32) * scale
         if cap is not None:  # exercise 4: after the scale, before the mask
             s = cap * jnp.tanh(s / cap)
@@ -1355,14 +1390,7 @@ def solution_kernel(q_ref, k_ref, v_ref, o_ref, *rest, scale, causal, block_q, b
             rows = qi * block_q + offset + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
             cols = kj * block_kv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
             s = jnp.where(cols <= rows, s, MASK_VALUE)
-        m_prev = m_scr[...]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next)
-        l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=-1, keepdims=True)
-        acc_scr[...] = alpha * acc_scr[...] + jnp.dot(p.astype(v_ref.dtype), v_ref[...], precision=precision,
-                                                      preferred_element_type=jnp.float32)
-        m_scr[...] = m_next
+        online_softmax_update(s, v_ref, m_scr, l_scr, acc_scr)
 
     if causal:
         pl.when(kj * block_kv <= qi * block_q + block_q - 1 + offset)(update)
