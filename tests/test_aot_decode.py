@@ -8,7 +8,9 @@ every position plus q and the output) must not exceed what the compiler counts.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -104,3 +106,83 @@ def test_pallas_compiles_every_option_with_all_kv_heads_in_a_block(dtype):
     for chip in CHIPS:
         facts = aot.compiled_facts(aot.compile_for(chip, fn, args))
         assert facts["custom_calls"] >= 1 and facts["peak_hbm_bytes"] > 0
+
+
+# ---------------------------------------------------------------------------- the cache read in place
+# The split-K kernel must read K and V where they lie: the optimised program hands the cache parameters
+# to the Mosaic kernel unchanged (through bitcasts at most), and nothing outside the kernel makes a
+# cache-sized array (a copy, concatenate, transpose or relayout of the cache). On a TPU a reshape of
+# [..., rows, kv_heads, d] to [..., rows, kv_heads * d] is such a copy (the last two dimensions are
+# stored in (8, 128) tiles): an earlier version made one, and the program read 4.6x the modelled bytes.
+# At the serving shape of notebook 07 (pages of 64 rows) and at pages of 16 (8 pages per grid step), a
+# contiguous cache and 4 queries per sequence.
+IN_PLACE = {"pages-64": (True, 64, 1), "pages-16": (True, 16, 1), "pages-64-tq4": (True, 64, 4),
+            "contiguous": (False, None, 1)}
+_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
+_ARRAY = re.compile(r"\b(bf16|f16|f32|s32|u32|pred|s8|u8)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)$")
+_NO_DATA = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant"}
+
+
+def _entry(hlo: str) -> list[tuple[str, str, str, list[str], str]]:
+    """The ENTRY computation's instructions: (name, result shape, opcode, operand names, the rest)."""
+    body = re.search(r"^ENTRY .*?\{\n(.*?)^\}", hlo, flags=re.M | re.S).group(1)
+    out = []
+    for line in body.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match:
+            name, shape, op, rest = match.groups()
+            out.append((name, shape, op, re.findall(r"%([\w.\-]+)", rest.split("), ")[0]), rest))
+    return out
+
+
+def _array_bytes(shape: str) -> int:
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[t]
+               for t, dims in _ARRAY.findall(shape))
+
+
+@pytest.mark.parametrize("shape", sorted(IN_PLACE))
+def test_pallas_reads_the_cache_in_place(shape):
+    paged, page, q_len = IN_PLACE[shape]
+    pages_per_seq = CAPACITY // page if paged else 0
+    q = jax.ShapeDtypeStruct((BATCH, q_len, HEADS, HEAD_DIM), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
+    if paged:
+        cache = jax.ShapeDtypeStruct((BATCH * pages_per_seq, page, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        args = [q, cache, cache, lengths, jax.ShapeDtypeStruct((BATCH, pages_per_seq), jnp.int32)]
+    else:
+        cache = jax.ShapeDtypeStruct((BATCH, CAPACITY, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        args = [q, cache, cache, lengths]
+
+    def fn(q, k, v, lengths, table=None):
+        return decode.attention(q, k, v, lengths, page_table=table, impl="pallas")
+
+    compiled = aot.compile_for("v5e", fn, args)
+    hlo = compiled.as_text()
+    entry = _entry(hlo)
+    kernels = [i for i in entry if i[2] == "custom-call" and 'custom_call_target="tpu_custom_call"' in i[4]]
+    assert len(kernels) == 1, [i[0] for i in kernels]
+    kernel = kernels[0][0]
+    params = {rest.split(")")[0]: name for name, _, op, _, rest in entry if op == "parameter"}
+    operands_of = {name: operands for name, _, _, operands, _ in entry}
+    for number in ("1", "2"):  # k and v: each read by the kernel and by nothing else
+        views = {params[number]}  # the parameter and its bitcasts (which move no data)
+        for name, _, op, operands, _ in entry:
+            if op == "bitcast" and views & set(operands):
+                views.add(name)
+        users = {name for name, _, op, operands, _ in entry if op != "bitcast" and views & set(operands)}
+        assert users == {kernel}, (number, users)
+        assert views & set(operands_of[kernel])
+    # And nothing outside the kernel makes an array of 1/16 of a cache or more.
+    cache_bytes = math.prod(cache.shape) * 2
+    big = [(name, op, _array_bytes(s)) for name, s, op, _, _ in entry
+           if name != kernel and op not in _NO_DATA and _array_bytes(s) >= cache_bytes // 16]
+    assert not big, big
+    # The compiler's bytes: at least the decode roofline's lower bound (every position full), at most
+    # 1.25x of it (the kernel's partials, padded query rows and the merge on top).
+    model = roofline.decode_roofline([CAPACITY] * BATCH, q_len=q_len, heads=HEADS, kv_heads=KV_HEADS,
+                                     head_dim=HEAD_DIM, chip="v5e", pages_per_sequence=pages_per_seq)
+    accessed = aot.compiled_facts(compiled)["bytes_accessed"]
+    assert model.bytes <= accessed <= 1.25 * model.bytes, (accessed, model.bytes, accessed / model.bytes)
+    print(f"\nv5e pallas {shape}: compiler bytes accessed {accessed / 2**20:.1f} MiB = "
+          f"{accessed / model.bytes:.2f}x the modelled {model.bytes / 2**20:.1f} MiB")

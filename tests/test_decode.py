@@ -64,6 +64,9 @@ CASES = [
          window=(3, 0), pallas=(("block_size", 8), ("chunk_blocks", 2))),  # 5 blocks: last chunk half
     Case("paged-f32-g1-tq1-window-d128", "float32", 2, 2, 1, head_dim=128, page_size=16, max_len=48,
          window=(7, 2), pallas=(("chunk_blocks", 2), ("pages_per_step", 2))),  # 3 pages: slot 4 past the end
+    # 16 kv heads: the kernel reads them as two head groups of 8 (heads 8-15 from the second), each kv
+    # head a strided row of its page.
+    Case("paged-bf16-g2-tq2-kv16", "bfloat16", 32, 16, 2, pallas=(("chunk_blocks", 2),)),
 ]
 
 
@@ -237,11 +240,18 @@ def test_unused_table_entries_are_never_read():
 @pytest.mark.parametrize("window,q_len", [(None, 1), (None, 4), (9, 4)])
 def test_schedule_counts_match_an_independent_count(window, q_len):
     lengths = np.array([0, 1, 7, 8, 9, 30, 64, 33], np.int64)
-    block, chunk, capacity, kv_heads = 8, 3, 64, 2
+    # 16 kv heads: the kernel reads them as two blocks of 8 (a sublane tile), so each (sequence, head
+    # group) walks its own blocks.
+    block, chunk, capacity, kv_heads, groups = 8, 3, 64, 16, 2
     got = decode.schedule(lengths, block, q_len=q_len, window=window, capacity=capacity, chunk_blocks=chunk,
                           pages_per_step=1, num_kv_heads=kv_heads)
+    assert got["head_groups"] == groups
+    assert decode.schedule(lengths, block, capacity=capacity, num_kv_heads=2)["head_groups"] == 1  # all heads
+    divisor = r"heads_per_block: expected a divisor of num_kv_heads \(16\), got 3"
+    with pytest.raises(ValueError, match=divisor):
+        decode.schedule(lengths, block, capacity=capacity, num_kv_heads=kv_heads, heads_per_block=3)
     num_blocks = capacity // block
-    steps = len(lengths) * kv_heads * math.ceil(num_blocks / chunk) * chunk
+    steps = len(lengths) * groups * math.ceil(num_blocks / chunk) * chunk
     useful = []
     for length in lengths:
         last = math.ceil(length / block) - 1
@@ -250,9 +260,9 @@ def test_schedule_counts_match_an_independent_count(window, q_len):
     # Computed: the useful blocks. Fetched: each (sequence, head) fetches its useful blocks once, and a
     # sequence with none still fetches the one block its first step names.
     assert got["steps"] == steps
-    assert got["computed"] == kv_heads * sum(useful)
-    assert got["skipped"] == got["blocks"] - kv_heads * sum(useful) and got["blocks"] == steps
-    assert got["fetched"] == kv_heads * sum(max(1, u) for u in useful)
+    assert got["computed"] == groups * sum(useful)
+    assert got["skipped"] == got["blocks"] - groups * sum(useful) and got["blocks"] == steps
+    assert got["fetched"] == groups * sum(max(1, u) for u in useful)
     if window is None:
         assert sum(useful) == sum(math.ceil(length / block) for length in lengths)
 

@@ -19,9 +19,15 @@ scratch (``arbitrary``). Each chunk writes a partial output and its row statisti
 * not computed: the body runs under ``pl.when(useful)``.
 
 All query heads of a GQA group (``group x q_len`` rows) form one block against their kv head's K/V.
-With ``head_dim`` a multiple of 128 a block holds one kv head (the cache is viewed, without a copy, as
-``[..., rows, kv_heads * head_dim]`` and a block takes one head's 128-lane columns); otherwise a block
-holds every kv head of the rows and the kernel loops over them.
+The kernel reads the cache in place, in the contract's own layout ``[..., rows, kv_heads, head_dim]``:
+a K (or V) block is ``[block, heads_per_block, head_dim]`` of one page (or ``block`` rows of a contiguous
+cache), all the kv heads or 8 of them (a sublane tile; :func:`kv_heads_per_block`), and the kernel
+loops over the block's heads (``k_ref[:, h, :]``, a strided load in VMEM). No view of the cache is
+taken outside the kernel: on a TPU an array's last two dimensions are stored in ``(8, 128)`` tiles, so
+``[..., rows, kv_heads, head_dim] -> [..., rows, kv_heads * head_dim]`` is *not* a free reshape there
+but a copy of the whole cache (an earlier version did this, and the compiled program read about 4.6x
+the modelled bytes at notebook 07's serving shape; ``tests/test_aot_decode.py`` now checks the
+optimised HLO holds no cache-sized op outside the kernel).
 
 :func:`schedule` walks the same grid with the same :func:`kv_block` and :func:`block_range`, so the
 fetched/skipped counts it reports are the kernel's own.
@@ -111,7 +117,7 @@ class Geometry:
     num_blocks: int  # blocks per sequence
     per_step: int  # blocks per grid step (pages, each its own BlockSpec; 1 for a contiguous cache)
     chunk_steps: int  # grid steps per split-K chunk
-    heads_per_block: int  # kv heads in one K/V block (1, or all when head_dim is not a multiple of 128)
+    heads_per_block: int  # kv heads in one K/V block (8 when kv_heads is a multiple of 8, else all)
     rows: int  # group x q_len, padded to a sublane tile
 
     @property
@@ -136,6 +142,16 @@ def _plan(block: int, num_blocks: int, chunk_blocks, per_step) -> tuple[int, int
     return per_step, chunk_steps
 
 
+SUBLANES = 8  # a K/V block's kv heads lie on sublanes: all of them, or a multiple of 8
+
+
+def kv_heads_per_block(num_kv_heads: int) -> int:
+    """kv heads in one K/V block: 8 (one sublane tile) when ``num_kv_heads`` is a multiple of 8, so a
+    block stays small in VMEM and the head groups are a parallel grid axis; otherwise all of them (a
+    block's last two dimensions must be multiples of ``(8, 128)`` or the array's whole dimensions)."""
+    return SUBLANES if num_kv_heads % SUBLANES == 0 else num_kv_heads
+
+
 def geometry(spec: DecodeSpec, block_size=None, chunk_blocks=None, pages_per_step=None) -> Geometry:
     if spec.paged:
         if block_size is not None:
@@ -152,25 +168,27 @@ def geometry(spec: DecodeSpec, block_size=None, chunk_blocks=None, pages_per_ste
         num_blocks = -(-spec.capacity // block)
         pages_per_step = 1
     per_step, chunk_steps = _plan(block, num_blocks, chunk_blocks, pages_per_step)
-    heads = 1 if spec.head_dim % LANES == 0 else spec.num_kv_heads
+    heads = kv_heads_per_block(spec.num_kv_heads)
     return Geometry(block, num_blocks, per_step, chunk_steps, heads,
                     padded_rows(spec.group_size * spec.q_len, spec.dtype))
 
 
 def schedule(lengths, block_size: int, *, q_len: int = 1, window=None, capacity: int | None = None,
              chunk_blocks: int | None = None, pages_per_step: int | None = None, paged: bool = True,
-             num_kv_heads: int = 1, heads_per_block: int = 1) -> dict:
+             num_kv_heads: int = 1, heads_per_block: int | None = None) -> dict:
     """What the kernel fetches and computes for ``lengths`` (one entry per sequence), counted on its grid.
 
     ``block_size``: the page size (``paged``) or the block of a contiguous cache; ``capacity``: the
     positions a sequence can hold (default: the largest length rounded up to a block); ``window`` as in
     :func:`tpuattn.decode.attention`; ``chunk_blocks``, ``pages_per_step`` as the kernel's options (same
-    defaults). Walks the grid ``(batch, kv_head_group, chunk, step)`` in the kernel's order with the
-    kernel's own :meth:`Geometry.step_blocks`, :func:`kv_block` and :func:`is_useful`. Each of a step's
-    ``per_step`` K (and V) BlockSpecs fetches when the block its index map asks for differs from the one
-    it asked for at the previous step (the Pallas pipeline's rule). Returns, per K/V operand: ``steps``
-    (grid steps), ``blocks`` (block slots: steps x per_step), ``computed``, ``skipped`` (``blocks -
-    computed``), ``fetched``, ``not_fetched`` (``blocks - fetched``), and the geometry.
+    defaults); ``heads_per_block``: kv heads in one K/V block (default: the kernel's,
+    :func:`kv_heads_per_block` of ``num_kv_heads``), each head group its own blocks. Walks the grid
+    ``(batch, kv_head_group, chunk, step)`` in the kernel's order with the kernel's own
+    :meth:`Geometry.step_blocks`, :func:`kv_block` and :func:`is_useful`. Each of a step's ``per_step``
+    K (and V) BlockSpecs fetches when the block its index map asks for differs from the one it asked for
+    at the previous step (the Pallas pipeline's rule). Returns, per K/V operand: ``steps`` (grid steps),
+    ``blocks`` (block slots: steps x per_step), ``computed``, ``skipped`` (``blocks - computed``),
+    ``fetched``, ``not_fetched`` (``blocks - fetched``), and the geometry.
     """
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     block = positive_int("block_size", block_size)
@@ -179,12 +197,16 @@ def schedule(lengths, block_size: int, *, q_len: int = 1, window=None, capacity:
     if not paged:
         pages_per_step = 1
     per_step, chunk_steps = _plan(block, num_blocks, chunk_blocks, pages_per_step)
-    geo = Geometry(block, num_blocks, per_step, chunk_steps, heads_per_block, 0)
+    hb = kv_heads_per_block(num_kv_heads) if heads_per_block is None else positive_int(
+        "heads_per_block", heads_per_block)
+    if num_kv_heads % hb:
+        raise ValueError(f"heads_per_block: expected a divisor of num_kv_heads ({num_kv_heads}), got {hb}")
+    geo = Geometry(block, num_blocks, per_step, chunk_steps, hb, 0)
     from tpuattn.spec import normalise_window
 
     window = normalise_window(window, q_len, capacity)
     left = None if window is None else window[0]
-    groups = num_kv_heads // heads_per_block
+    groups = num_kv_heads // hb
     p = geo.step_blocks()
     computed = fetched = 0
     previous = [None] * per_step
@@ -214,7 +236,7 @@ def _row_position(rows: int, cols: int, q_len: int):
     return (r - q_len * jnp.floor((r + 0.5) / q_len)).astype(jnp.int32)
 
 
-def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, heads, head_dim, scale, softcap,
+def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, heads, scale, softcap,
                    precision):
     lengths_ref, refs = refs[0], refs[2 if paged else 1:]
     q_ref, k_refs, v_refs = refs[0], refs[1:1 + per_step], refs[1 + per_step:1 + 2 * per_step]
@@ -238,8 +260,7 @@ def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, head
         dtype = v_ref.dtype
         sees = jnp.where(keep, 1.0, 0.0).astype(dtype)  # [rows, block]
         for h in range(heads):
-            cols = slice(h * head_dim, (h + 1) * head_dim)
-            q, k, v = q_ref[h], k_ref[:, cols], v_ref[:, cols]
+            q, k, v = q_ref[h], k_ref[:, h, :], v_ref[:, h, :]  # [rows, d], [block, d], [block, d]
             # The contract's rule for non-finite values: they reach exactly the rows that see them.
             # A block's rows past the length, or outside a row's window, hold whatever the cache holds
             # (other data, NaN). A logit that is not finite (NaN or Inf in k) is NaN before the mask and
@@ -302,9 +323,8 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     rows, hb = geo.rows, geo.heads_per_block
     qk = q.reshape(b, tq, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * tq, d)
     qk = jnp.pad(qk, ((0, 0), (0, 0), (0, rows - g * tq), (0, 0)))
-    # [..., rows, kv_heads, d] -> [..., rows, kv_heads * d]: a reshape of contiguous memory, no copy.
-    kc = k_cache.reshape(*k_cache.shape[:2], hk * d)
-    vc = v_cache.reshape(*v_cache.shape[:2], hk * d)
+    # The caches go to the kernel as they are ([..., rows, kv_heads, d]): any reshape here would be a
+    # copy of the whole cache on a TPU (its tiled layout), see the module docstring.
     left, block, cs, n, pps = spec.left, geo.block, geo.chunk_steps, geo.per_step, geo.num_blocks
 
     # One K and one V BlockSpec per page of a step: spec j of step (c, i) holds block (c*cs + i)*n + j,
@@ -314,7 +334,7 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
         def kv_map(j):
             def index(bi, hg, c, i, lengths_ref, table_ref):
                 p = kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block)
-                return table_ref[bi * pps + p], 0, hg
+                return table_ref[bi * pps + p], 0, hg, 0
             return index
 
         def fixed(bi, hg, c, i, lengths_ref, table_ref):
@@ -326,7 +346,7 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     else:
         def kv_map(j):
             def index(bi, hg, c, i, lengths_ref):
-                return bi, kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block), hg
+                return bi, kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block), hg, 0
             return index
 
         def fixed(bi, hg, c, i, lengths_ref):
@@ -336,7 +356,7 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
             return c, bi, hg, 0, 0
         prefetch = (lengths,)
 
-    kv_specs = [pl.BlockSpec((None, block, hb * d), kv_map(j)) for j in range(n)]
+    kv_specs = [pl.BlockSpec((None, block, hb, d), kv_map(j)) for j in range(n)]
     grid = (b, hk // hb, geo.num_chunks, cs)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
@@ -350,7 +370,7 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     )
     kernel = functools.partial(
         _decode_kernel, paged=spec.paged, q_len=tq, left=left, block=block, per_step=n, chunk_steps=cs,
-        heads=hb, head_dim=d, scale=spec.scale, softcap=spec.softcap, precision=matmul_precision(q.dtype))
+        heads=hb, scale=spec.scale, softcap=spec.softcap, precision=matmul_precision(q.dtype))
     itemsize = jnp.dtype(q.dtype).itemsize
     positions = b * geo.num_blocks * block  # every block of every sequence: the compiler's upper bound
     cost = pl.CostEstimate(flops=4 * hk * rows * positions * d, transcendentals=hk * rows * positions,
@@ -363,7 +383,7 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, cost_estimate=cost, name="tpuattn_decode_split_k",
-    )(*prefetch, qk, *[kc] * n, *[vc] * n)
+    )(*prefetch, qk, *[k_cache] * n, *[v_cache] * n)
     # The kernel's edge: [chunks, b, kv_heads, rows, ...] (rows r = g * q_len + t, padded) to the
     # contract's layout, query head kv_head * group + g.
     nc = geo.num_chunks
