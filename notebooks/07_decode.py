@@ -263,11 +263,18 @@ print(f"merged partials vs the whole: max |diff| = {float(jnp.max(jnp.abs(merged
 # %% [markdown]
 # ## 4 · The Pallas decode kernel (`impl="pallas"`)
 #
-# `tpuattn/decode/kernel.py` is a split-K kernel over a grid `(batch, kv_head, chunk, step)`: the
-# first three axes are independent (`parallel`: the chunk axis is the split that keeps a chip busy
-# when `batch × kv_heads` is small), the last runs the online softmax over a chunk's blocks in VMEM
-# scratch (`arbitrary`). All query heads of a GQA group form one block of rows against their kv
+# `tpuattn/decode/kernel.py` is a split-K kernel over a grid `(batch, kv_head_group, chunk, step)`:
+# the first three axes are independent (`parallel`: the chunk axis is the split that keeps a chip
+# busy when `batch × kv_heads` is small), the last runs the online softmax over a chunk's blocks in
+# VMEM scratch (`arbitrary`). All query heads of a GQA group form one block of rows against their kv
 # head's K/V, so each byte of the cache is read once for the whole group.
+#
+# The kernel reads the cache where it lies: a K/V block is a page as stored, `[page_size, kv_heads,
+# head_dim]` (or 8 of the kv heads, a head group, when their number is a multiple of 8), and the
+# kernel takes each kv head's rows in VMEM (`k_ref[:, h, :]`). Reshaping the cache to `[..., rows,
+# kv_heads * head_dim]` before the kernel looks free, but a TPU stores an array's last two
+# dimensions in (8, 128) tiles, so that reshape is a copy of the whole cache (section 6 shows the
+# compiler's bytes).
 #
 # What makes it a *decode* kernel is what it knows before it starts: `lengths` and the flattened
 # page table are **scalar-prefetched** into SMEM (`pltpu.PrefetchScalarGridSpec`), so the K/V
@@ -463,9 +470,12 @@ else:
 # the lengths) plus what each implementation does around its kernel (the reference's gather and
 # materialised scores, the split-K kernel's partials and their merge, `jax_paged`'s transposed copy
 # of the cache), and for a Pallas kernel the cost its author declared (`pl.CostEstimate`): a compiled
-# upper view, not a measurement. On JAX 0.10.2 `ragged_paged_attention`'s lowering asks
-# the local device for its TPU generation, so it compiles only on a TPU host (with JAX 0.7.2 it
-# compiles from a CPU machine too).
+# upper view, not a measurement. The split-K kernel reads the cache in place, so its bytes are the
+# roofline's plus its partials, padded query rows and merge (about 1.1x); an earlier version
+# reshaped the cache to `[..., rows, kv_heads * head_dim]` before the kernel, a copy of the cache on
+# a TPU, and read 4.6x (`tests/test_aot_decode.py` now checks the optimised program for such
+# copies). On JAX 0.10.2 `ragged_paged_attention`'s lowering asks the local device for its TPU
+# generation, so it compiles only on a TPU host (with JAX 0.7.2 it compiles from a CPU machine too).
 
 # %% [markdown]
 # ## 7 · A small CPU benchmark (measured, cpu)
