@@ -115,9 +115,12 @@ def test_pallas_compiles_every_option_with_all_kv_heads_in_a_block(dtype):
 # [..., rows, kv_heads, d] to [..., rows, kv_heads * d] is such a copy (the last two dimensions are
 # stored in (8, 128) tiles): an earlier version made one, and the program read 4.6x the modelled bytes.
 # At the serving shape of notebook 07 (pages of 64 rows) and at pages of 16 (8 pages per grid step), a
-# contiguous cache and 4 queries per sequence.
-IN_PLACE = {"pages-64": (True, 64, 1), "pages-16": (True, 16, 1), "pages-64-tq4": (True, 64, 4),
-            "contiguous": (False, None, 1)}
+# contiguous cache, 4 queries per sequence, and one kv head (multi-query attention: the kernel views
+# [..., rows, 1, d] as [..., rows, d], which the TPU's default layout makes a bitcast).
+# (paged, page size, q_len, kv heads)
+IN_PLACE = {"pages-64": (True, 64, 1, KV_HEADS), "pages-16": (True, 16, 1, KV_HEADS),
+            "pages-64-tq4": (True, 64, 4, KV_HEADS), "contiguous": (False, None, 1, KV_HEADS),
+            "pages-64-one-kv-head": (True, 64, 1, 1)}
 _DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
 _ARRAY = re.compile(r"\b(bf16|f16|f32|s32|u32|pred|s8|u8)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)$")
@@ -143,15 +146,15 @@ def _array_bytes(shape: str) -> int:
 
 @pytest.mark.parametrize("shape", sorted(IN_PLACE))
 def test_pallas_reads_the_cache_in_place(shape):
-    paged, page, q_len = IN_PLACE[shape]
+    paged, page, q_len, kv_heads = IN_PLACE[shape]
     pages_per_seq = CAPACITY // page if paged else 0
     q = jax.ShapeDtypeStruct((BATCH, q_len, HEADS, HEAD_DIM), jnp.bfloat16)
     lengths = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
     if paged:
-        cache = jax.ShapeDtypeStruct((BATCH * pages_per_seq, page, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        cache = jax.ShapeDtypeStruct((BATCH * pages_per_seq, page, kv_heads, HEAD_DIM), jnp.bfloat16)
         args = [q, cache, cache, lengths, jax.ShapeDtypeStruct((BATCH, pages_per_seq), jnp.int32)]
     else:
-        cache = jax.ShapeDtypeStruct((BATCH, CAPACITY, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        cache = jax.ShapeDtypeStruct((BATCH, CAPACITY, kv_heads, HEAD_DIM), jnp.bfloat16)
         args = [q, cache, cache, lengths]
 
     def fn(q, k, v, lengths, table=None):
@@ -173,14 +176,14 @@ def test_pallas_reads_the_cache_in_place(shape):
         users = {name for name, _, op, operands, _ in entry if op != "bitcast" and views & set(operands)}
         assert users == {kernel}, (number, users)
         assert views & set(operands_of[kernel])
-    # And nothing outside the kernel makes an array of 1/16 of a cache or more.
+    # And nothing outside the kernel makes an array of 1/8 of a cache or more.
     cache_bytes = math.prod(cache.shape) * 2
     big = [(name, op, _array_bytes(s)) for name, s, op, _, _ in entry
-           if name != kernel and op not in _NO_DATA and _array_bytes(s) >= cache_bytes // 16]
+           if name != kernel and op not in _NO_DATA and _array_bytes(s) >= cache_bytes // 8]
     assert not big, big
     # The compiler's bytes: at least the decode roofline's lower bound (every position full), at most
     # 1.25x of it (the kernel's partials, padded query rows and the merge on top).
-    model = roofline.decode_roofline([CAPACITY] * BATCH, q_len=q_len, heads=HEADS, kv_heads=KV_HEADS,
+    model = roofline.decode_roofline([CAPACITY] * BATCH, q_len=q_len, heads=HEADS, kv_heads=kv_heads,
                                      head_dim=HEAD_DIM, chip="v5e", pages_per_sequence=pages_per_seq)
     accessed = aot.compiled_facts(compiled)["bytes_accessed"]
     assert model.bytes <= accessed <= 1.25 * model.bytes, (accessed, model.bytes, accessed / model.bytes)

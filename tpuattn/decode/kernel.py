@@ -22,12 +22,14 @@ All query heads of a GQA group (``group x q_len`` rows) form one block against t
 The kernel reads the cache in place, in the contract's own layout ``[..., rows, kv_heads, head_dim]``:
 a K (or V) block is ``[block, heads_per_block, head_dim]`` of one page (or ``block`` rows of a contiguous
 cache), all the kv heads or 8 of them (a sublane tile; :func:`kv_heads_per_block`), and the kernel
-loops over the block's heads (``k_ref[:, h, :]``, a strided load in VMEM). No view of the cache is
-taken outside the kernel: on a TPU an array's last two dimensions are stored in ``(8, 128)`` tiles, so
+loops over the block's heads (``k_ref[:, h, :]``, a strided load in VMEM). The cache is not reshaped
+outside the kernel: on a TPU an array's last two dimensions are stored in ``(8, 128)`` tiles, so
 ``[..., rows, kv_heads, head_dim] -> [..., rows, kv_heads * head_dim]`` is *not* a free reshape there
 but a copy of the whole cache (an earlier version did this, and the compiled program read about 4.6x
 the modelled bytes at notebook 07's serving shape; ``tests/test_aot_decode.py`` now checks the
-optimised HLO holds no cache-sized op outside the kernel).
+optimised HLO holds no cache-sized op outside the kernel). One kv head is the exception: ``[..., rows,
+1, head_dim]`` is viewed as ``[..., rows, head_dim]``, the same bytes in the TPU's default layout of a
+unit axis, where Mosaic would otherwise have the cache copied to tiles of one row.
 
 :func:`schedule` walks the same grid with the same :func:`kv_block` and :func:`block_range`, so the
 fetched/skipped counts it reports are the kernel's own.
@@ -236,6 +238,11 @@ def _row_position(rows: int, cols: int, q_len: int):
     return (r - q_len * jnp.floor((r + 0.5) / q_len)).astype(jnp.int32)
 
 
+def _head(ref, h: int):
+    """kv head ``h`` of a K/V block ``[block, heads, d]`` (``[block, d]``: the cache's one kv head)."""
+    return ref[...] if len(ref.shape) == 2 else ref[:, h, :]
+
+
 def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, heads, scale, softcap,
                    precision):
     lengths_ref, refs = refs[0], refs[2 if paged else 1:]
@@ -260,7 +267,7 @@ def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, head
         dtype = v_ref.dtype
         sees = jnp.where(keep, 1.0, 0.0).astype(dtype)  # [rows, block]
         for h in range(heads):
-            q, k, v = q_ref[h], k_ref[:, h, :], v_ref[:, h, :]  # [rows, d], [block, d], [block, d]
+            q, k, v = q_ref[h], _head(k_ref, h), _head(v_ref, h)  # [rows, d], [block, d], [block, d]
             # The contract's rule for non-finite values: they reach exactly the rows that see them.
             # A block's rows past the length, or outside a row's window, hold whatever the cache holds
             # (other data, NaN). A logit that is not finite (NaN or Inf in k) is NaN before the mask and
@@ -323,8 +330,14 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     rows, hb = geo.rows, geo.heads_per_block
     qk = q.reshape(b, tq, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * tq, d)
     qk = jnp.pad(qk, ((0, 0), (0, 0), (0, rows - g * tq), (0, 0)))
-    # The caches go to the kernel as they are ([..., rows, kv_heads, d]): any reshape here would be a
-    # copy of the whole cache on a TPU (its tiled layout), see the module docstring.
+    # The caches go to the kernel as they are ([..., rows, kv_heads, d]): a reshape here is in general a
+    # copy of the whole cache on a TPU (its tiled layout), see the module docstring. One kv head is the
+    # exception: the TPU's default layout of [..., rows, 1, d] keeps the unit axis out of the tiles, so
+    # [..., rows, d] is the same bytes (a bitcast), while Mosaic would have [..., rows, 1, d] copied to
+    # tiles of one row.
+    one_head = hk == 1
+    if one_head:
+        k_cache, v_cache = (c.reshape(*c.shape[:2], d) for c in (k_cache, v_cache))
     left, block, cs, n, pps = spec.left, geo.block, geo.chunk_steps, geo.per_step, geo.num_blocks
 
     # One K and one V BlockSpec per page of a step: spec j of step (c, i) holds block (c*cs + i)*n + j,
@@ -334,7 +347,7 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
         def kv_map(j):
             def index(bi, hg, c, i, lengths_ref, table_ref):
                 p = kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block)
-                return table_ref[bi * pps + p], 0, hg, 0
+                return (table_ref[bi * pps + p], 0, 0) if one_head else (table_ref[bi * pps + p], 0, hg, 0)
             return index
 
         def fixed(bi, hg, c, i, lengths_ref, table_ref):
@@ -346,7 +359,8 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     else:
         def kv_map(j):
             def index(bi, hg, c, i, lengths_ref):
-                return bi, kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block), hg, 0
+                p = kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block)
+                return (bi, p, 0) if one_head else (bi, p, hg, 0)
             return index
 
         def fixed(bi, hg, c, i, lengths_ref):
@@ -356,7 +370,8 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
             return c, bi, hg, 0, 0
         prefetch = (lengths,)
 
-    kv_specs = [pl.BlockSpec((None, block, hb, d), kv_map(j)) for j in range(n)]
+    kv_block_shape = (None, block, d) if one_head else (None, block, hb, d)
+    kv_specs = [pl.BlockSpec(kv_block_shape, kv_map(j)) for j in range(n)]
     grid = (b, hk // hb, geo.num_chunks, cs)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
