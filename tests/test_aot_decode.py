@@ -189,3 +189,17 @@ def test_pallas_reads_the_cache_in_place(shape):
     assert model.bytes <= accessed <= 1.25 * model.bytes, (accessed, model.bytes, accessed / model.bytes)
     print(f"\nv5e pallas {shape}: compiler bytes accessed {accessed / 2**20:.1f} MiB = "
           f"{accessed / model.bytes:.2f}x the modelled {model.bytes / 2**20:.1f} MiB")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_compiles_large_pages_of_wide_heads(dtype):
+    # A block holds 8 kv heads of a page: 512-row pages of head_dim 256 overflow v5e's default scoped
+    # VMEM (16 MiB) unless the kernel raises its limit from its VMEM model (kernel.vmem_limit_bytes).
+    def fn(q, k, v, lengths, table):
+        return decode.attention(q, k, v, lengths, page_table=table, impl="pallas")
+
+    cache = jax.ShapeDtypeStruct((4, 512, 8, 256), dtype)
+    args = [jax.ShapeDtypeStruct((2, 1, 32, 256), dtype), cache, cache,
+            jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 2), jnp.int32)]
+    facts = aot.compiled_facts(aot.compile_for("v5e", fn, args))  # v6e's default limit is 32 MiB
+    assert facts["custom_calls"] >= 1

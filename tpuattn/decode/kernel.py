@@ -312,6 +312,31 @@ def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, head
                                    jnp.log(jnp.where(seen, l_sum, 1.0)))
 
 
+def vmem_need_bytes(geo: Geometry, head_dim: int, itemsize: int) -> int:
+    """The kernel's VMEM, modelled: K and V blocks (double-buffered), q, the partial outputs and the
+    scratch, and per kv head of a block the body's temporaries (``[block, d]``: v in float32, its
+    finite mask, v cleaned and its non-finite indicator; ``[rows, block]``: logits, weights, masks).
+    A rough model, above the compiler's own count where it was checked: at 512-row pages of 8 kv heads
+    of 256 the v5e compiler asked 18.75 MiB (bf16) and 16.16 MiB (f32); this model says 21.8 and 29.9."""
+    kv = 2 * 2 * geo.per_step * geo.block * geo.heads_per_block * head_dim * itemsize
+    io = 2 * geo.heads_per_block * geo.rows * (head_dim * itemsize + 4 * (head_dim + LANES))
+    scratch = 4 * geo.heads_per_block * geo.rows * (2 * LANES + head_dim)
+    temporaries = geo.heads_per_block * geo.per_step * geo.block * (12 * head_dim + 16 * geo.rows)
+    return kv + io + scratch + temporaries
+
+
+def vmem_limit_bytes(geo: Geometry, head_dim: int, itemsize: int) -> int | None:
+    """``vmem_limit_bytes`` for the target chip: None (the compiler's default scoped limit,
+    ``Chip.kernel_vmem_bytes``) while 1.5x the modelled need fits in it, else 1.5x the need, at most the
+    chip's VMEM (large pages of many wide kv heads: a block holds 8 kv heads of a page). None off a
+    known chip."""
+    chip = chips.target_chip()
+    want = 3 * vmem_need_bytes(geo, head_dim, itemsize) // 2
+    if chip is None or want <= chip.kernel_vmem_bytes:
+        return None
+    return min(want, chip.vmem_bytes)
+
+
 def resolve_interpret(interpret):
     """``None``: compiled for a TPU (the local one or ``chips.target``'s), interpret mode elsewhere."""
     if interpret is None:
@@ -396,7 +421,8 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     out, stats = pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=None if interpret else vmem_limit_bytes(geo, d, jnp.dtype(q.dtype).itemsize)),
         interpret=interpret, cost_estimate=cost, name="tpuattn_decode_split_k",
     )(*prefetch, qk, *[k_cache] * n, *[v_cache] * n)
     # The kernel's edge: [chunks, b, kv_heads, rows, ...] (rows r = g * q_len + t, padded) to the
