@@ -3,7 +3,9 @@
 Run with ``JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1`` (as the CI's compile stage does). Each
 implementation must compile what it claims to support (status ``ok``) or refuse in words
 (``unsupported``); peak HBM is printed (``-s``). The decode roofline's bytes (a lower bound: K and V of
-every position plus q and the output) must not exceed what the compiler counts.
+every position plus q and the output) must not exceed what the compiler counts. The split-K kernel must
+read the cache in place: its optimised program hands the cache to the kernel alone, makes no cache-sized
+array outside it, and accesses at most 1.25x the roofline's bytes.
 """
 
 from __future__ import annotations
