@@ -28,9 +28,10 @@ The full run's stages, cheapest first:
                       compiler (compiled, not run; no TPU needed). The unit stages leave this file out.
 * ``compile-jax0.7.2`` the same file on JAX 0.7.2 with its libtpu (0.0.23): everything compiles for every
                       chip there too (the facts recorded with the newer compiler are checked only above)
-* ``nbval``           ``pytest --nbval`` over the committed notebooks on the venv's Python; compares
-                      outputs except stderr and cells tagged ``nbval-ignore-output``; figures go to a
-                      temporary folder (TPUATTN_FIGURES_DIR) so the working tree is not modified.
+* ``nbval``           ``pytest --nbval`` over each committed notebook (one pytest per notebook) on the
+                      venv's Python; compares outputs except stderr and cells tagged
+                      ``nbval-ignore-output``; figures go to a temporary folder (TPUATTN_FIGURES_DIR) so
+                      the working tree is not modified.
 * ``papermill-jax0.7.2`` every notebook executed top to bottom with papermill on JAX 0.7.2 (Colab's TPU
                       runtime, with its ipywidgets 7.7.1) through ``ci/notebooks.py --jax 0.7.2``, two
                       notebooks at a time (one kernel each, as nbval does), ``RUN_MEMORY = False`` (the
@@ -54,10 +55,11 @@ The full run's stages, cheapest first:
 * ``lab``             ``ci/lab_check.py``: notebook 03 run in JupyterLab in chromium, a slider of its grid
                       widget moved and the figure seen to change (screenshots before and after)
 
-When the full command runs, ``papermill-jax0.7.2``, ``releases``, ``dry-run`` and ``book`` are one pool
-of jobs run two at a time, longest first (each notebook's kernel, each pytest, the book's build and
-browser check compute on about one core); their table rows say so. ``lab`` runs after them, alone.
-The pytest stages run two workers (``-n 2 --dist worksteal``).
+From ``nbval`` on, the stages are one pool of jobs run two at a time, longest first by their seconds
+in an earlier run (each notebook's kernel, each pytest, the book's build and browser check, the lab
+compute on about one core); their table rows say they ran side by side. The lab starts once no run of
+notebook 03 and no book build is left. The pytest stages before them run two workers each (``-n 2
+--dist worksteal``).
 
 The book and lab stages need Debian's chromium (``/usr/bin/chromium``): as root the command installs
 it (``apt-get install -y chromium chromium-driver``, in CI or not); as another user those two stages
@@ -217,21 +219,6 @@ def stage_quick() -> str:
                               "worksteal", "-m", "quick", *QUICK_FILES], env=variables))
 
 
-def stage_nbval() -> str:
-    ipynbs = [str(p.relative_to(ROOT)) for p in notebook_files(".ipynb")]
-    if not ipynbs:
-        return "FAILED (no notebooks/NN_*.ipynb to check)"
-    with tempfile.TemporaryDirectory(prefix="tpuattn-nbval-figures-") as figures:
-        code = run([str(_venv.MAIN.python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "nbval_plugin",
-                    "--nbval", "--nbval-current-env", "--nbval-cell-timeout", "300",
-                    # One notebook per worker, its cells in order, two notebooks at a time.
-                    "-n", "2", "--dist", "loadfile",
-                    "--nbval-sanitize-with", "ci/nbval_sanitize.cfg", *ipynbs],
-                   env={"PYTHONPATH": str(ROOT / "ci"), "TPUATTN_FIGURES_DIR": figures,
-                        **_venv.CPU_WITH_TPU_COMPILER})
-    return pytest_result(code)
-
-
 @dataclasses.dataclass
 class Job:
     """One piece of a pooled stage: ``run()`` returns (ok, log); the pool times it."""
@@ -239,10 +226,65 @@ class Job:
     stage: str
     label: str
     run: object
-    weight: float  # a guess at its length, to start the longest first
+    weight: float = 0.0  # its expected seconds (:data:`EXPECTED_SECONDS`), to start the longest first
+    apart_from: tuple[str, ...] = ()  # starts only once no job whose label contains one of these is left
     ok: bool = False
     start: float = 0.0
     end: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.weight:
+            self.weight = EXPECTED_SECONDS.get(self.label, DEFAULT_SECONDS)
+
+
+# Each pooled job's seconds in the clean-clone run of the full command on 2 cores (2026-12-05, before
+# nbval and lab joined the pool; nbval's notebooks from their papermill times on JAX 0.7.2, plus the
+# memory measurements that only nbval runs). Only the order in which the jobs start depends on them:
+# the longest first, so that no long job starts last and leaves one core idle at the end (notebook 10
+# started last by its file size and ran alone for its final 100 s). A job not listed counts as
+# DEFAULT_SECONDS.
+EXPECTED_SECONDS = {
+    "book": 103, "lab": 57,
+    "nbval 10_in_a_model": 250, "nbval 05_measure": 60, "nbval 03_pallas_kernel": 55,
+    "nbval 04_native_attention": 45, "nbval 01_naive_attention": 30, "nbval 02_online_softmax": 25,
+    "nbval 06_scale_out": 22, "nbval 07_decode": 22, "nbval 11_the_hard_way": 14,
+    "nbval 08_puzzles_forward": 11, "nbval 09_puzzles_backward": 13,
+    "0.7.2 10_in_a_model": 146, "0.7.2 03_pallas_kernel": 53, "0.7.2 04_native_attention": 37,
+    "0.7.2 05_measure": 37, "0.7.2 02_online_softmax": 25, "0.7.2 07_decode": 22, "0.7.2 06_scale_out": 22,
+    "0.7.2 01_naive_attention": 20, "0.7.2 11_the_hard_way": 14, "0.7.2 09_puzzles_backward": 13,
+    "0.7.2 08_puzzles_forward": 11,
+    "0.8.3 03_pallas_kernel": 61, "0.9.2 03_pallas_kernel": 65, "0.8.3 02_online_softmax": 26,
+    "0.9.2 02_online_softmax": 26, "0.8.3 01_naive_attention": 19, "0.9.2 01_naive_attention": 19,
+    "0.8.3 oracle": 11, "0.9.2 oracle": 12, "0.8.3 compile": 4, "0.9.2 compile": 5,
+    "dry-run 03_pallas_kernel": 58, "dry-run 04_native_attention": 33, "dry-run 05_measure": 22,
+}
+DEFAULT_SECONDS = 30.0
+
+
+def command_job(stage: str, label: str, cmd: list[str], env: dict, **fields) -> Job:
+    """A job that runs ``cmd`` with ``env`` (the whole environment) and passes when it exits 0."""
+    def run() -> tuple[bool, str]:
+        result = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        shown = " ".join(os.path.relpath(c, ROOT) if c.startswith(str(ROOT)) else c for c in cmd)
+        return result.returncode == 0, f"$ {shown}\n{result.stdout}"
+
+    return Job(stage, label, run, **fields)
+
+
+def nbval_jobs(tmp: Path) -> list[Job]:
+    """``nbval``: ``pytest --nbval`` over each committed notebook on the venv's Python, one notebook per
+    job (its cells in order, in one kernel); outputs compared except stderr and cells tagged
+    ``nbval-ignore-output``; figures to a temporary folder (``TPUATTN_FIGURES_DIR``)."""
+    jobs = []
+    for ipynb in notebook_files(".ipynb"):
+        cmd = [str(_venv.MAIN.python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "nbval_plugin", "-q",
+               "--nbval", "--nbval-current-env", "--nbval-cell-timeout", "300",
+               "--nbval-sanitize-with", "ci/nbval_sanitize.cfg", str(ipynb.relative_to(ROOT))]
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "ci"),
+               "TPUATTN_FIGURES_DIR": str(tmp / f"figures-nbval-{ipynb.stem}"), **_venv.CPU_WITH_TPU_COMPILER}
+        jobs.append(command_job("nbval", f"nbval {ipynb.stem}", cmd, env))
+    return jobs
 
 
 def notebook_job(stage: str, release: str, stem: str, tmp: Path, parameters: dict, *,
@@ -260,25 +302,12 @@ def notebook_job(stage: str, release: str, stem: str, tmp: Path, parameters: dic
            "--out", str(tmp / f"notebooks-{label.replace(' ', '-')}"), stem]
     for name, value in parameters.items():
         cmd += ["-p", name, repr(value)]
-
-    def run() -> tuple[bool, str]:
-        result = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-        return result.returncode == 0, f"$ {' '.join(cmd[1:])}\n{result.stdout}"
-
-    size = (NOTEBOOKS / f"{stem}.ipynb").stat().st_size
-    return Job(stage, label, run, weight=size)
+    return command_job(stage, label, cmd, env)
 
 
 def pytest_job(stage: str, label: str, env: _venv.Env, args: list[str], variables: dict) -> Job:
     cmd = [str(env.python), *PYTEST, "-q", "--durations=5", *args]
-
-    def run() -> tuple[bool, str]:
-        result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **variables}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        return result.returncode == 0, f"$ {' '.join(cmd[1:])}\n{result.stdout}"
-
-    return Job(stage, label, run, weight=0)
+    return command_job(stage, label, cmd, {**os.environ, **variables})
 
 
 def notebook_parameters(stem: str) -> set[str]:
@@ -348,44 +377,49 @@ def dry_run_jobs(tmp: Path) -> list[Job]:
     return jobs
 
 
-def book_job(actions: dict) -> Job:
+def action_job(stage: str, action, **fields) -> Job:
+    """A stage's own function (``stage_book``, ``stage_lab``) as a job, its commands' output captured."""
     def run() -> tuple[bool, str]:
         _CAPTURE.lines = []
         try:
-            result = actions["book"]()
-            return result == "ok", "".join(_CAPTURE.lines) + f"book: {result}"
+            result = action()
+            return result == "ok", "".join(_CAPTURE.lines) + f"{stage}: {result}"
         finally:
             _CAPTURE.lines = None
 
-    return Job("book", "book", run, weight=float("inf"))  # first: its browser check is long
+    return Job(stage, stage, run, **fields)
 
 
-POOLED = ("papermill-jax0.7.2", "releases", "dry-run", "book")
+POOLED = ("nbval", "papermill-jax0.7.2", "releases", "dry-run", "book", "lab")
+# The lab runs JupyterLab on notebook 03 and writes its screenshots beside the book's: it starts once no
+# run of notebook 03 (with the lab's kernel running, papermill's kernel once waited the whole 300 s cell
+# timeout on 03's grid widget, in a clean clone) and no book build is left.
+LAB_APART_FROM = ("03_", "book")
 
 
-def pooled(stages: list[str], actions: dict) -> tuple[list[tuple[str, float, str, str]], list[Job]]:
-    """The pooled stages that were asked for, as one queue of jobs run two at a time, longest first:
-    each notebook's kernel, each pytest and the book's Sphinx build with its browser check compute on
-    about one core. Each job's log is printed whole when it ends. A stage's seconds run from its first
-    job's start to its last job's end (marked as run beside the others); the total is the wall clock.
+def run_pool(jobs: list[Job], workers: int = 2) -> None:
+    """Run ``jobs`` ``workers`` at a time, longest first: a free worker takes the longest job that may
+    start (see ``Job.apart_from``), else waits for one to end. Each job's log is printed when it ends."""
+    waiting = sorted(jobs, key=lambda job: -job.weight)
+    running: list[Job] = []
+    changed = threading.Condition()
 
-    ``lab`` is not pooled: with the lab's JupyterLab kernel running, papermill's kernel waited the
-    whole 300 s cell timeout on notebook 03's grid widget (measured in a clean clone), so the lab runs
-    after them, alone."""
-    wanted = [stage for stage in POOLED if stage in stages]
-    with tempfile.TemporaryDirectory(prefix="tpuattn-papermill-") as tmp:
-        jobs = []
-        if "book" in wanted:
-            jobs.append(book_job(actions))
-        if "papermill-jax0.7.2" in wanted:
-            jobs += papermill_jobs(Path(tmp))
-        if "releases" in wanted:
-            jobs += release_jobs(Path(tmp))
-        if "dry-run" in wanted:
-            jobs += dry_run_jobs(Path(tmp))
-        jobs.sort(key=lambda job: -job.weight)
+    def may_start(job: Job) -> bool:
+        return not any(part in other.label for part in job.apart_from
+                       for other in waiting + running if other is not job)
 
-        def go(job: Job) -> None:
+    def worker() -> None:
+        while True:
+            with changed:
+                while True:
+                    if not waiting:
+                        return
+                    job = next((j for j in waiting if may_start(j)), None)
+                    if job is not None:
+                        break
+                    changed.wait()
+                waiting.remove(job)
+                running.append(job)
             job.start = time.perf_counter()
             try:
                 job.ok, log = job.run()
@@ -395,9 +429,38 @@ def pooled(stages: list[str], actions: dict) -> tuple[list[tuple[str, float, str
             with _PRINT:
                 status = "ok" if job.ok else "FAILED"
                 print(f"===== {job.label}: {status} ({job.end - job.start:.1f} s)\n{log}", flush=True)
+            with changed:
+                running.remove(job)
+                changed.notify_all()
 
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            list(pool.map(go, jobs))
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def pooled(stages: list[str], actions: dict) -> tuple[list[tuple[str, float, str, str]], list[Job]]:
+    """The pooled stages that were asked for, as one queue of jobs run two at a time, longest first
+    (:func:`run_pool`): each notebook's kernel, each pytest, the book's Sphinx build with its browser
+    check and the lab compute on about one core. A stage's seconds run from its first job's start to
+    its last job's end (marked as run beside the others); the total is the wall clock."""
+    wanted = [stage for stage in POOLED if stage in stages]
+    with tempfile.TemporaryDirectory(prefix="tpuattn-pool-") as tmp:
+        jobs = []
+        if "nbval" in wanted:
+            jobs += nbval_jobs(Path(tmp))
+        if "book" in wanted:
+            jobs.append(action_job("book", actions["book"]))
+        if "lab" in wanted:
+            jobs.append(action_job("lab", actions["lab"], apart_from=LAB_APART_FROM))
+        if "papermill-jax0.7.2" in wanted:
+            jobs += papermill_jobs(Path(tmp))
+        if "releases" in wanted:
+            jobs += release_jobs(Path(tmp))
+        if "dry-run" in wanted:
+            jobs += dry_run_jobs(Path(tmp))
+        run_pool(jobs)
     rows = []
     for stage in wanted:
         mine = [job for job in jobs if job.stage == stage]
@@ -538,8 +601,7 @@ def main() -> int:
                "unit-jax0.7.2": lambda: stage_unit(_venv.JAX_0_7),
                "compile": lambda: stage_compile(_venv.MAIN),
                "compile-jax0.7.2": lambda: stage_compile(_venv.JAX_0_7),
-               "nbval": stage_nbval, "book": stage_book,
-               "lab": stage_lab, "quick": stage_quick}
+               "book": stage_book, "lab": stage_lab, "quick": stage_quick}
     pool_stages = [stage for stage in POOLED if stage in stages]
     jobs: list[Job] = []
     for stage in stages:
