@@ -11,8 +11,10 @@ Three passes, so that every output block is owned by one grid cell and no atomic
 (a TPU kernel has none; FlashAttention-2 on a GPU instead adds dQ atomically from one kernel):
 
 1. **row sums** -- the dQ grid, computing only ``delta = rowsum(P * dP)`` per query row;
-2. **dQ** -- grid ``(batch, q_head, q_block, kv_step)`` with the forward's schedule (built for
-   the backward block sizes): one query block accumulates over its visible kv blocks;
+2. **dQ** -- grid ``(batch, head_block, q_block, kv_step)`` with the forward's schedule (built for
+   the backward block sizes) and head blocks (the query heads of a GQA group, looped inside a step
+   against one K/V block: K/V fetched once per group): one query block of each head accumulates over
+   its visible kv blocks (pass 1 runs on the same grid);
 3. **dK/dV** -- grid ``(batch, kv_head, kv_block, group_member, q_step)``. Each cell owns one
    key/value block of one kv head and loops over the query heads of its GQA group and the
    query blocks the schedule says can see it (the last two axes are the reduction:
@@ -73,7 +75,7 @@ def _softcap_grad(s_scaled, softcap):
 
 
 # --------------------------------------------------------------------------- row sums and dQ
-def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_segments, precision,
+def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, has_segments, precision,
                row_sums_only):
     """Pass 1 (``row_sums_only``: writes rowsum(P * dP)) or pass 2 (reads it as delta, writes dQ)."""
     prefetch, inputs, (q_seg_ref, kv_seg_ref), (out_ref, acc_ref) = plan.split_refs(
@@ -87,24 +89,31 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_segmen
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def update(kv_block, apply_mask: bool):
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-        s, dcap = _softcap_grad(s * scale, softcap)
-        # logsumexp = m + log l, lanes 0 and 1 of a [block_q, 128] tile.
-        p = jnp.exp((s - lse_ref[:, 0:1]) - lse_ref[:, 1:2])
-        if apply_mask:
+        k, v = k_ref[...], v_ref[...]  # one K/V block for every query head of the step
+        keep = None
+        if apply_mask:  # the same for every head: built once per step
             segments = (q_seg_ref[:, :1], kv_seg_ref[:1, :]) if has_segments else ()
-            keep = tile_visibility(mask, s.shape, i * block_q, kv_block * block_kv, *segments)
-            p = jnp.where(keep, p, 0.0)
-        dp = jax.lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-        if row_sums_only:  # the same sum in every lane: the output is delta, lane-replicated
-            acc_ref[...] += jnp.sum(p * dp, axis=1, keepdims=True)
-            return
-        ds = p * (dp - delta_ref[:, :1])
-        if dcap is not None:
-            ds = ds * dcap
-        acc_ref[...] += scale * jnp.dot(ds.astype(k.dtype), k, precision=precision,
-                                        preferred_element_type=jnp.float32)
+            keep = tile_visibility(mask, (block_q, block_kv), i * block_q, kv_block * block_kv, *segments)
+
+        def head(h):
+            q, do, lse = q_ref[h], do_ref[h], lse_ref[h]
+            s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+            s, dcap = _softcap_grad(s * scale, softcap)
+            # logsumexp = m + log l, lanes 0 and 1 of a [block_q, 128] tile.
+            p = jnp.exp((s - lse[:, 0:1]) - lse[:, 1:2])
+            if keep is not None:
+                p = jnp.where(keep, p, 0.0)
+            dp = jax.lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+            if row_sums_only:  # the same sum in every lane: the output is delta, lane-replicated
+                acc_ref[h] += jnp.sum(p * dp, axis=1, keepdims=True)
+                return
+            ds = p * (dp - delta_ref[h][:, :1])
+            if dcap is not None:
+                ds = ds * dcap
+            acc_ref[h] += scale * jnp.dot(ds.astype(k.dtype), k, precision=precision,
+                                          preferred_element_type=jnp.float32)
+
+        plan.head_loop(q_heads, head)
 
     plan.scheduled_step(sched, prefetch, b, i, step, update)
 
@@ -183,32 +192,36 @@ def _q_major_pass(pb: _Problem, delta_col=None):
     spec, bq, bk, d = pb.spec, pb.bq, pb.bk, pb.d
     row_sums_only = delta_col is None
     sched = plan.build_schedule(pb.pos_map, pb.overlap())
-    maps = plan.forward_index_maps(sched, spec.group_size)
+    hq = plan.q_heads_per_step(spec, "dq", bq, bk)
+    maps = plan.forward_index_maps(sched, spec.group_size, hq)
     lse_col = pad_to_multiple(pb.lse, 3, LANES)  # [b, h, tq, 128]: lanes 0, 1 = m, log l
-    in_specs = [pl.BlockSpec((None, None, bq, d), maps["q"]),
+    in_specs = [pl.BlockSpec((None, hq, bq, d), maps["q"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"]),
-                pl.BlockSpec((None, None, bq, d), maps["q"]),
-                pl.BlockSpec((None, None, bq, LANES), maps["q"])]
+                pl.BlockSpec((None, hq, bq, d), maps["q"]),
+                pl.BlockSpec((None, hq, bq, LANES), maps["q"])]
     operands = [pb.qp, pb.kp, pb.vp, pb.dop, lse_col]
     if not row_sums_only:
-        in_specs.append(pl.BlockSpec((None, None, bq, LANES), maps["q"]))
+        in_specs.append(pl.BlockSpec((None, hq, bq, LANES), maps["q"]))
         operands.append(delta_col)
     if pb.segs is not None:
         in_specs += [pl.BlockSpec((None, bq, LANES), maps["q_segment"]),
                      pl.BlockSpec((None, SUBLANES, bk), maps["kv_segment"])]
         operands += [pb.segs["q_col"], pb.segs["kv_row"]]
     width, dtype = (LANES, jnp.float32) if row_sums_only else (d, pb.qp.dtype)
+    vmem_limit = None if pb.interpret else plan.head_block_vmem_limit(spec, "dq", bq, bk, hq)
     return pl.pallas_call(
-        functools.partial(_dq_kernel, sched=sched, row_sums_only=row_sums_only, **pb.kernel_args),
+        functools.partial(_dq_kernel, sched=sched, row_sums_only=row_sums_only, q_heads=hq,
+                          **pb.kernel_args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(spec.batch, spec.num_q_heads, pb.tq // bq, sched.steps),
+            num_scalar_prefetch=3, grid=(spec.batch, spec.num_q_heads // hq, pb.tq // bq, sched.steps),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, bq, width), maps["q"]),
-            scratch_shapes=[pltpu.VMEM((bq, width), jnp.float32)]),
+            out_specs=pl.BlockSpec((None, hq, bq, width), maps["q"]),
+            scratch_shapes=[pltpu.VMEM((hq, bq, width), jnp.float32)]),
         out_shape=compat.out_struct((spec.batch, spec.num_q_heads, pb.tq, width), dtype, pb.qp),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit),
         interpret=pb.interpret,
         name="tpuattn_flash_row_sums" if row_sums_only else "tpuattn_flash_dq",
     )(*sched.arrays(), *operands)
