@@ -185,10 +185,11 @@ def test_kernel_index_maps_fetch_what_the_schedule_counts(monkeypatch):
     assert not fetches[0, 0][steps[None, :] >= count[:, None]].any()
 
 
-@pytest.mark.parametrize("pass_name", ["forward", "dq"])
+@pytest.mark.parametrize("pass_name", ["forward", "dq", "dkv"])
 def test_a_gqa_group_takes_the_grid_steps_of_one_head_and_fetches_kv_once(pass_name):
-    """16 query heads on 2 kv heads: the forward and dQ grids have no more steps than 2 heads on 2,
-    and every K/V block is fetched as often as for 2/2 (once per group), while 16 heads' tiles compute."""
+    """16 query heads on 2 kv heads: every pass's grid has no more steps than 2 heads on 2. The forward
+    and dQ fetch every K/V block as often as for 2/2 (once per group); the dK/dV pass holds its K/V
+    block for the whole group and streams the group's Q blocks 8 heads at a time."""
     gqa = kv_schedule(_spec(1024, heads=16, kv_heads=2), 128, pass_name=pass_name)
     mha = kv_schedule(_spec(1024, heads=2, kv_heads=2), 128, pass_name=pass_name)
     per_head = kv_schedule(_spec(1024, heads=16, kv_heads=16), 128, pass_name=pass_name)
@@ -196,10 +197,12 @@ def test_a_gqa_group_takes_the_grid_steps_of_one_head_and_fetches_kv_once(pass_n
     assert gqa.grid_steps == mha.grid_steps == per_head.grid_steps // 8
     assert gqa.total_fetched == mha.total_fetched == per_head.total_fetched // 8
     assert gqa.total_computed == per_head.total_computed == 8 * mha.total_computed
-    assert gqa.fetched.shape == (1, 2, 8) and gqa.computed.shape == (1, 16, 8)
-    # The dK/dV grid already ran per kv head (the group an axis of it): K/V once per group there too.
-    dkv = kv_schedule(_spec(1024, heads=16, kv_heads=2), 128, pass_name="dkv")
-    assert dkv.grid[:2] == (1, 2) and dkv.grid[3] == 8
+    outer = 2 if pass_name == "dkv" else 16  # computed: per query head, or per kv head summed over its group
+    assert gqa.fetched.shape == (1, 2, 8) and gqa.computed.shape == (1, outer, 8)
+    if pass_name == "dkv":
+        assert gqa.grid == (1, 2, 8, 1, 8)  # (batch, kv head, kv block, head block, q step)
+    else:
+        assert gqa.grid == (1, 2, 8, 8)  # (batch, head block, q block, kv step)
 
 
 def test_a_group_larger_than_the_vmem_allows_is_split_into_head_blocks():

@@ -451,8 +451,8 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     group = spec.group_size if params.kv_once_per_group else 1  # query heads per grid step
     vmem = forward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e, group)
     if mode == "fwd+bwd":
-        vmem = max(vmem, backward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e))
-        if group > 1:  # the dQ step holds the group's query heads
+        vmem = max(vmem, backward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e, group))
+        if group > 1:  # the dQ step holds the group's query heads too
             vmem = max(vmem, dq_vmem_bytes(q_block, kv_block, padded_head_dim(d), e, group))
         if row_sum_pass:
             breakdown += [

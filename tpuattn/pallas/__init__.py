@@ -41,8 +41,8 @@ Design in one paragraph each:
   * GQA/MQA: the forward and dQ grids run over head blocks, the query heads of one GQA group (a
     divisor of it where the chip's VMEM asks), looped inside a grid step against one K/V block:
     K/V are fetched once per group and a 16/2-head problem takes the grid steps of a 2/2 one. The
-    dK/dV grid runs over kv heads with the group's query heads as an ``arbitrary`` axis, so dK/dV
-    are summed in VMEM; K/V are never repeated.
+    dK/dV grid runs over kv heads, a step looping over a head block of the group's query heads (the
+    head blocks an ``arbitrary`` axis), so dK/dV are summed in VMEM; K/V are never repeated.
   * Backward: FlashAttention-2 as three passes (row sums of P * dP, dQ, dK/dV), with the
     logsumexp saved as (max, log sum) for precision; see ``backward.py`` for why delta is the row
     sum of P * dP by default (``backward="fast"`` drops that pass).

@@ -128,16 +128,17 @@ def forward_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int
     return inputs + output + scratch + temps
 
 
-def backward_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int) -> int:
-    """VMEM one dK/dV grid step holds (the larger of the two backward passes).
+def backward_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int, q_heads: int = 1) -> int:
+    """VMEM one dK/dV grid step holds (the larger of the two backward passes at one head a step),
+    serving ``q_heads`` query heads of a GQA group against one K/V block.
 
-    inputs q, dO (block_q rows) and k, v (block_kv rows), double-buffered:
-                                               2 * 2 * (block_q + block_kv) * head_dim * itemsize
+    inputs q, dO (block_q rows per head) and k, v (block_kv rows), double-buffered:
+                                               2 * 2 * (q_heads * block_q + block_kv) * head_dim * itemsize
     outputs dK, dV double-buffered:            2 * 2 * block_kv * head_dim * itemsize
     float32 scratch dK, dV:                    2 * 4 * block_kv * head_dim
-    float32 temporaries (s, p, dp, ds):        4 * 4 * block_q * block_kv
+    float32 temporaries (s, p, dp, ds):        4 * 4 * block_q * block_kv   (one head at a time)
     """
-    inputs = 4 * (block_q + block_kv) * head_dim * itemsize
+    inputs = 4 * (q_heads * block_q + block_kv) * head_dim * itemsize
     outputs = 4 * block_kv * head_dim * itemsize
     scratch = 8 * block_kv * head_dim
     temps = 16 * block_q * block_kv
@@ -155,8 +156,8 @@ def dq_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int, q_h
                                                q_heads * block_q * head_dim * (2 * itemsize + 4)
     float32 temporaries (s, p, dp, ds):        4 * 4 * block_q * block_kv   (one head at a time)
 
-    Used to choose the heads per step of the dQ grid; :func:`backward_vmem_bytes` (the dK/dV step,
-    one head at a time) sizes the backward blocks.
+    Used to choose the heads per step of the dQ grid; :func:`backward_vmem_bytes` (the dK/dV step)
+    at one head a step sizes the backward blocks.
     """
     inputs = 4 * (q_heads * block_q + block_kv) * head_dim * itemsize
     rows = 16 * q_heads * block_q * LANES
@@ -173,7 +174,7 @@ VMEM_MARGIN = 2.0
 
 
 def fit_q_heads(group_size: int, need, chip=None) -> int:
-    """Query heads one forward or dQ grid step serves: the largest divisor of the GQA ``group_size``
+    """Query heads one forward, dQ or dK/dV grid step serves: the largest divisor of the GQA ``group_size``
     whose modelled VMEM ``need(q_heads)`` (bytes), with :data:`VMEM_MARGIN`, fits three quarters of
     ``chip``'s VMEM. The whole group without a chip (interpret mode has no VMEM to fit). K/V blocks
     are then fetched once per head block, not once per query head."""

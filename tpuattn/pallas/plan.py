@@ -43,6 +43,7 @@ from tpuattn._checks import round_up
 from tpuattn.pallas import compat
 from tpuattn.pallas.blocks import (
     as_block_sizes,
+    backward_vmem_bytes,
     dq_vmem_bytes,
     fit_q_heads,
     forward_vmem_bytes,
@@ -191,20 +192,20 @@ def scheduled_step(sched: Schedule, prefetch_refs, b, outer, step, update) -> No
 
 # --------------------------------------------------------------------------- head blocks
 def q_heads_per_step(spec, pass_name: str, block_q: int, block_kv: int) -> int:
-    """Query heads one grid step of the forward (``pass_name="forward"``) or the dQ and row-sum
-    passes (``"dq"``) serves: query heads of one GQA group, all of them unless the target chip's VMEM
-    asks for fewer (:func:`tpuattn.pallas.blocks.fit_q_heads`). Their kv head's K/V block is
-    fetched once for them all."""
-    need = {"forward": forward_vmem_bytes, "dq": dq_vmem_bytes}[pass_name]
+    """Query heads one grid step of the forward (``pass_name="forward"``), the dQ and row-sum passes
+    (``"dq"``) or the dK/dV pass (``"dkv"``) serves: query heads of one GQA group, all of them unless
+    the target chip's VMEM asks for fewer (:func:`tpuattn.pallas.blocks.fit_q_heads`). Their kv
+    head's K/V block serves them all."""
+    need = {"forward": forward_vmem_bytes, "dq": dq_vmem_bytes, "dkv": backward_vmem_bytes}[pass_name]
     d, itemsize = padded_head_dim(spec.head_dim), np.dtype(spec.dtype).itemsize
     return fit_q_heads(spec.group_size, lambda h: need(block_q, block_kv, d, itemsize, h),
                        chips.target_chip())
 
 
 def head_block_vmem_limit(spec, pass_name: str, block_q: int, block_kv: int, q_heads: int) -> int | None:
-    """The ``vmem_limit_bytes`` a forward or dQ kernel serving ``q_heads`` query heads per step asks
+    """The ``vmem_limit_bytes`` a kernel serving ``q_heads`` query heads per step asks
     the target chip for (:func:`tpuattn.pallas.blocks.vmem_limit_bytes`; None: the default)."""
-    need = {"forward": forward_vmem_bytes, "dq": dq_vmem_bytes}[pass_name]
+    need = {"forward": forward_vmem_bytes, "dq": dq_vmem_bytes, "dkv": backward_vmem_bytes}[pass_name]
     d, itemsize = padded_head_dim(spec.head_dim), np.dtype(spec.dtype).itemsize
     return vmem_limit_bytes(need(block_q, block_kv, d, itemsize, q_heads), q_heads, chips.target_chip())
 
@@ -221,7 +222,8 @@ def head_loop(q_heads: int, body) -> None:
 # The kernels' BlockSpec index maps. Grid of the forward and dQ passes: (batch, head_block,
 # q_block, kv_step), a head block being ``q_heads`` query heads of one GQA group (leading-axis
 # blocks ``(q_heads, block_q, head_dim)``); grid of the dK/dV pass: (batch, kv_head, kv_block,
-# group_member, q_step). The trailing arguments are the scalar-prefetch refs (index, needs_mask, count).
+# head_block, q_step), the head blocks of the kv head's group. The trailing arguments are the
+# scalar-prefetch refs (index, needs_mask, count).
 def _head_div(h, group_size: int):
     """``h // group_size`` for a non-negative head index: truncating division (``lax.div``)
     in a kernel, where floor division would lower through ``sign``; plain ``//`` on Python ints."""
@@ -254,14 +256,18 @@ def forward_index_maps(sched: Schedule, group_size: int, q_heads: int = 1):
     return {"q": q_map, "kv": kv_map, "q_segment": q_segment_map, "kv_segment": kv_segment_map}
 
 
-def dkv_index_maps(sched: Schedule, group_size: int):
-    """Index maps of the dK/dV grid ``(b, kv_head, j, g, t)``: query head ``kv_head * group + g``."""
+def dkv_index_maps(sched: Schedule, group_size: int, q_heads: int = 1):
+    """Index maps of the dK/dV grid ``(b, kv_head, j, g, t)``: head block ``g`` of kv head ``kv_head``'s
+    group, query heads ``kv_head * group + g * q_heads ...`` (blocks of ``q_heads``)."""
+    if group_size % q_heads:
+        raise ValueError(f"q_heads: expected a divisor of the group size {group_size}, got {q_heads}")
+    blocks_per_kv_head = group_size // q_heads
 
     def q_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):
-        return (b, kh * group_size + g, visited_block(sched, index_ref, b, j, t), 0)
+        return (b, kh * blocks_per_kv_head + g, visited_block(sched, index_ref, b, j, t), 0)
 
     def q_row_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):  # [batch, heads, 1 or 2, q_len]
-        return (b, kh * group_size + g, 0, visited_block(sched, index_ref, b, j, t))
+        return (b, kh * blocks_per_kv_head + g, 0, visited_block(sched, index_ref, b, j, t))
 
     def kv_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):
         return (b, kh, j, 0)
@@ -294,7 +300,7 @@ class ScheduleCounts:
     pass_name: str
     block_q: int
     block_kv: int
-    q_heads: int  # query heads one grid step serves (dK/dV: 1, the group is a grid axis)
+    q_heads: int  # query heads one grid step serves
     grid: tuple[int, ...]
     num_q_blocks: int
     num_kv_blocks: int
@@ -385,9 +391,9 @@ def kv_schedule(spec, block_sizes=None, segment_ids=None, pass_name: str = "forw
         if s < count[r, o]:
             visit[r, o, index[r, o, s]] = PARTIAL if needs[r, o, s] else FULL
     if pass_name == "dkv":
-        q_heads, heads = 1, spec.num_kv_heads
-        maps = lambda s: dkv_index_maps(s, spec.group_size)["q"]
-        grid = (spec.batch, heads, sched.num_outer, spec.group_size, sched.steps)
+        q_heads, heads = q_heads_per_step(spec, "dkv", bq, bk), spec.num_kv_heads
+        maps = lambda s: dkv_index_maps(s, spec.group_size, q_heads)["q"]
+        grid = (spec.batch, heads, sched.num_outer, spec.group_size // q_heads, sched.steps)
         inner_per_outer = spec.group_size * sched.num_inner
     else:
         q_heads = q_heads_per_step(spec, "forward" if pass_name == "forward" else "dq", bq, bk)
