@@ -43,7 +43,8 @@ def _block_sizes(block_sizes):
 # --------------------------------------------------------------------------- the walk
 @dataclasses.dataclass(frozen=True)
 class GridWalk:
-    """The forward grid of one (batch, head) as the pipeline visits it.
+    """The forward grid of one (batch, head block) as the pipeline visits it (a head block: the query
+    heads of a GQA group one grid step serves, all on the same K/V blocks, so one walk draws them all).
 
     ``kv_index[i, s]``: kv block named by the K/V index map at grid step ``(i, s)``;
     ``computed[i, s]``: the kernel body runs (``s < count[i]``);
@@ -76,7 +77,7 @@ class GridWalk:
 
 
 def grid_walk(spec: AttentionSpec, block_sizes=None) -> GridWalk:
-    """Walk the forward grid of one (batch, head) with the kernel's schedule and index maps.
+    """Walk the forward grid of one (batch, head block) with the kernel's schedule and index maps.
 
     Position masks only (causal, window, lengths); segment ids are data and are not drawn.
     The per-step arrays are checked against :func:`~tpuattn.pallas.plan.kv_schedule`'s
