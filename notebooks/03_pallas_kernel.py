@@ -565,8 +565,16 @@ check("step 4, causal, q_len < kv_len", causal_attention(q_half, k, v),
 # key/value head `h // group`. The kernel body does not change at all: the grid already runs over
 # *query* heads, and step 4's K/V index map gets `hi // group` as the head block index. K and V are
 # never repeated in HBM -- but each query head of a group streams its kv head's blocks again (the
-# grid visits every q block of head `h` before head `h + 1`), which the byte count below shows. MQA
-# is the case `num_kv_heads = 1` (the package's checks below include it).
+# grid visits every q block of head `h` before head `h + 1`). MQA is the case `num_kv_heads = 1` (the
+# package's checks below include it).
+#
+# The package's kernel goes one step further: its forward and dQ grids run over **head blocks**,
+# `(batch, head_block, q_block, kv_step)`, a head block being the query heads of one group. The Q, O
+# and logsumexp blocks hold the group on a leading axis, `(group, block_q, head_dim)` -- each head a
+# whole (sublane, lane) tile -- and the body loops over the group's heads against the one K/V block
+# of the step (scratch `m`, `l`, `acc` get the same leading axis). So each K/V block is fetched once
+# per group, and 16 query heads on 2 kv heads take the grid steps of 2 on 2 (`kv_schedule(...).grid`;
+# where a chip's VMEM cannot hold a whole group, a divisor of it). The byte count below shows it.
 
 # %%
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "interpret"))
@@ -819,6 +827,13 @@ print(f"  full grid (the lesson kernel's) {(1, heads, num_q_blocks, n)}: "
 print(f"  scheduled grid                  {(1, heads, num_q_blocks, kv_index.shape[1])}: "
       f"{heads * kv_index.size} steps walked, {heads * int(kv_count.sum())} compute, {heads * fetches} "
       f"K/V fetches (per head {fetches}; the package's walk: {package_walk.total_fetched})")
+# The package's grid steps over head blocks: a step serves the query heads of a GQA group.
+package_gqa = tpuattn.pallas.kv_schedule(
+    counts.spec_for(WINDOW_LEN, causal=True, window=(WINDOW_LEFT, 0), num_q_heads=heads,
+                    num_kv_heads=k_w.shape[2]), tpuattn.pallas.ForwardBlocks(BLOCK_Q, BLOCK_KV))
+assert package_gqa.total_fetched == k_w.shape[2] * fetches
+print(f"  the package's head-block grid   {package_gqa.grid}: {package_gqa.grid_steps} steps walked, "
+      f"{package_gqa.total_fetched} K/V fetches ({package_gqa.q_heads} query heads per step)")
 verdict = lowers_for_tpu(functools.partial(scheduled_attention, left=WINDOW_LEFT, interpret=False),
                          q_w, k_w, v_w)
 print("  Mosaic lowering of the scheduled kernel:", verdict)
@@ -829,7 +844,8 @@ print("  Mosaic lowering of the scheduled kernel:", verdict)
 # previous one ended with, and adds a third table, `needs_mask`, so that tiles every row sees whole
 # skip the iota/compare/select (`scheduled_step` runs them in a separate `pl.when` branch); with
 # segment ids the tables are computed per batch row from the ids' block ranges. `forward_index_maps`
-# holds the index maps, and `forward.py` passes the three tables with
+# holds the index maps (over head blocks: the K/V map sends head block `hb` to kv head
+# `hb // (group // q_heads)`), and `forward.py` passes the three tables with
 # `PrefetchScalarGridSpec(num_scalar_prefetch=3, ...)`.
 
 
@@ -1063,8 +1079,9 @@ except ImportError as error:  # ipywidgets missing: the static figures above are
 # %% [markdown]
 # ## HBM bytes the schedule moves
 #
-# A kernel that streams K/V blocks reads K and V **once per query block** (and once per query head
-# of a GQA group). `counts.hbm_traffic` counts the forward pass's HBM traffic from the package's
+# A kernel that streams K/V blocks reads K and V **once per query block** (and, in the package's
+# kernel, once per GQA group: a grid step serves the group's query heads). `counts.hbm_traffic`
+# counts the forward pass's HBM traffic from the package's
 # schedule -- Q read once per query block, each K/V fetch counted where the index map changes block
 # (`kv_schedule`'s `fetched`), O and the logsumexp written once -- against the minimum: Q, K, V read
 # once and O written once. (Its docstring states the model.) Shape: batch 1, 8 heads, head_dim 128,
@@ -1087,10 +1104,11 @@ print(counts.format_table(rows))
 # Reading the table: unmasked at 4096 with 128-blocks, K and V are each read 32 times (once per query
 # block) -- 17x the minimum traffic; 512-blocks cut that to 8 reads. The causal mask halves the K/V
 # traffic, a window bounds it by the band. With GQA (8 query heads sharing 2 kv heads) the minimum
-# shrinks -- K and V are 4x smaller -- but every query head still streams its kv head's blocks, so
-# the ratio grows. The `lse` column is the logsumexp saved for the backward, stored as one
-# 128-lane float32 row per query (`[.., q_len, 128]`: the TPU-friendly layout of a per-row value;
-# the package uses lanes 0 and 1 for `m` and `log l`): twice the bytes of O at head_dim 128 in
+# shrinks -- K and V are 4x smaller -- and so does the K/V traffic, 4x too, since each group streams
+# its kv head's blocks once (a kernel stepping over query heads would stream them once per query head,
+# 4x more, and the ratio would grow instead). The `lse` column is the logsumexp saved for the backward,
+# stored as one 128-lane float32 row per query (`[.., q_len, 128]`: the TPU-friendly layout of a
+# per-row value; the package uses lanes 0 and 1 for `m` and `log l`): twice the bytes of O at head_dim 128 in
 # bfloat16 -- small next to K/V here, though a packed layout could make it ~64x smaller.
 #
 # **The count.** At 4096 tokens, 128-blocks, causal, the kernel computes and

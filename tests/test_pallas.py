@@ -25,10 +25,12 @@ from tpuattn.pallas import (
     BackwardBlocks,
     BlockSizes,
     ForwardBlocks,
+    blocks,
     compat,
     default_block_sizes,
     forward_vmem_bytes,
     kv_schedule,
+    plan,
     races_found,
     reset_races,
     resolve_interpret,
@@ -100,6 +102,26 @@ def test_segments_across_blocks_skip_tiles_and_match_oracle():
         assert kv_schedule(spec, 128, segment_ids=(seg, seg), pass_name=pass_name).computed_fraction == 6 / 16
 
 
+# ------------------------------------------------------------------ GQA: head blocks of a group
+@pytest.mark.parametrize(("q_heads", "kv_heads", "per_step"), [
+    (4, 1, None), (8, 2, None), (16, 2, None), (6, 3, None),
+    # A group split into head blocks (as a chip's VMEM may ask): 2 or 4 query heads per step.
+    (8, 2, 2), (16, 2, 4), (6, 3, 1),
+])
+def test_gqa_head_blocks_match_the_oracle(monkeypatch, q_heads, kv_heads, per_step):
+    """Forward and gradients of GQA through the head-block grid (a step serves ``per_step`` query
+    heads of one group; None: the whole group), causal with a ragged length and a segment boundary."""
+    if per_step is not None:
+        monkeypatch.setattr(plan, "q_heads_per_step", lambda spec, pass_name, bq, bk: per_step)
+    q, k, v, d_out = _inputs(q_heads + kv_heads, 1, 200, 200, q_heads, kv_heads, 32)
+    seg = np.repeat(np.array([0, 1]), [70, 130])[None].astype(np.int32)
+    kw = dict(causal=True, segment_ids=seg)
+    out, grads = _value_and_grads(q, k, v, d_out, block_sizes=128, **kw)
+    np.testing.assert_allclose(out, oracle_attention(q, k, v, **kw), atol=FWD_TOL, rtol=FWD_TOL)
+    for name, got, want in zip("qkv", grads, oracle_grads(q, k, v, d_out, **kw), strict=True):
+        np.testing.assert_allclose(got, want, atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=f"d{name}")
+
+
 # ------------------------------------------------------------------ block counts at 4096, counted
 def test_causal_4096_computes_and_fetches_at_most_52_percent():
     spec = _spec(4096)
@@ -146,20 +168,59 @@ def test_kernel_index_maps_fetch_what_the_schedule_counts(monkeypatch):
     assert q_arg.shape == (1, heads, seq, 128)
     grid = tuple(grid_spec.grid)
     nq = seq // 128
-    assert grid == (1, heads, nq, nq)
+    assert grid == (1, kv_heads, nq, nq)  # one grid step serves the query heads of a GQA group
+    assert grid_spec.in_specs[0].block_shape == (None, heads // kv_heads, 128, 128)
     k_spec = grid_spec.in_specs[1]
     fetches = walk_grid(k_spec.index_map, grid, prefetch)
     per_head = nq * (nq + 1) // 2 - 1  # q block 1 reuses kv block 0, resident from q block 0
-    # With GQA consecutive query heads share a kv head, but a head ends on the last kv block
-    # and the next one starts on block 0, so every head pays the same.
-    assert int(fetches.sum()) == heads * per_head
+    # Each kv head's K/V blocks are fetched once for its whole group: per kv head, not per query head.
+    assert int(fetches.sum()) == kv_heads * per_head
     counts = kv_schedule(_spec(seq, heads=heads, kv_heads=kv_heads), 128)
     assert counts.total_fetched == int(fetches.sum())
+    assert counts.grid == grid and counts.q_heads == heads // kv_heads
     assert counts.fetched_fraction <= 0.52
     # Skipped steps name the resident block: no index change at any step past the count.
     count = prefetch[2].reshape(nq)
     steps = np.arange(nq)
     assert not fetches[0, 0][steps[None, :] >= count[:, None]].any()
+
+
+@pytest.mark.parametrize("pass_name", ["forward", "dq", "dkv"])
+def test_a_gqa_group_takes_the_grid_steps_of_one_head_and_fetches_kv_once(pass_name):
+    """16 query heads on 2 kv heads: every pass's grid has no more steps than 2 heads on 2. The forward
+    and dQ fetch every K/V block as often as for 2/2 (once per group); the dK/dV pass holds its K/V
+    block for the whole group and streams the group's Q blocks 8 heads at a time."""
+    gqa = kv_schedule(_spec(1024, heads=16, kv_heads=2), 128, pass_name=pass_name)
+    mha = kv_schedule(_spec(1024, heads=2, kv_heads=2), 128, pass_name=pass_name)
+    per_head = kv_schedule(_spec(1024, heads=16, kv_heads=16), 128, pass_name=pass_name)
+    assert gqa.q_heads == 8 and mha.q_heads == per_head.q_heads == 1
+    assert gqa.grid_steps == mha.grid_steps == per_head.grid_steps // 8
+    assert gqa.total_fetched == mha.total_fetched == per_head.total_fetched // 8
+    assert gqa.total_computed == per_head.total_computed == 8 * mha.total_computed
+    outer = 2 if pass_name == "dkv" else 16  # computed: per query head, or per kv head summed over its group
+    assert gqa.fetched.shape == (1, 2, 8) and gqa.computed.shape == (1, outer, 8)
+    if pass_name == "dkv":
+        assert gqa.grid == (1, 2, 8, 1, 8)  # (batch, kv head, kv block, head block, q step)
+    else:
+        assert gqa.grid == (1, 2, 8, 8)  # (batch, head block, q block, kv step)
+
+
+def test_a_group_larger_than_the_vmem_allows_is_split_into_head_blocks():
+    """Compiled for a chip, the heads per step are the largest divisor of the group whose modelled VMEM
+    fits; v3's 16 MiB takes fewer query heads of a 16-head group than v5e's 128 MiB."""
+    spec = _spec(4096, heads=16, kv_heads=1)
+    assert plan.q_heads_per_step(spec, "forward", 512, 512) == 16  # no chip: interpret mode, no VMEM
+    with chips.target("v5e"):
+        assert plan.q_heads_per_step(spec, "forward", 512, 512) == 16
+        assert plan.head_block_vmem_limit(spec, "forward", 512, 512, 16) is not None
+        assert plan.head_block_vmem_limit(spec, "forward", 512, 512, 1) is None
+    with chips.target("v3"):
+        small = plan.q_heads_per_step(spec, "forward", 512, 512)
+        assert 16 % small == 0 and small < 16
+        need = forward_vmem_bytes(512, 512, 128, 4, small) * blocks.VMEM_MARGIN
+        assert need <= chips.get("v3").vmem_bytes * 3 // 4
+        counts = kv_schedule(spec, 512)
+        assert counts.q_heads == small and counts.grid[1] == 16 // small
 
 
 def test_window_shortens_the_grid():

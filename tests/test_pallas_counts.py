@@ -31,13 +31,15 @@ def test_causal_4096_counts_and_bytes():
         traffic.lse_written
 
 
-def test_unmasked_kv_reread_once_per_q_block_and_per_gqa_head():
-    # 512 tokens, 128-blocks: each of the 4 q blocks streams all 4 kv blocks, for each of 4 q heads.
+def test_unmasked_kv_reread_once_per_q_block_and_once_per_gqa_group():
+    # 512 tokens, 128-blocks: each of the 4 q blocks streams all 4 kv blocks, once for each kv head's
+    # group of 2 query heads (one grid step serves the group), while every q head computes its tiles.
     spec = counts.spec_for(512, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float32")
     traffic = counts.hbm_traffic(spec, ForwardBlocks(128, 128))
-    assert traffic.kv_blocks_fetched == traffic.kv_blocks_computed == 2 * 4 * 4 * 4
+    assert traffic.kv_blocks_computed == 2 * 4 * 4 * 4
+    assert traffic.kv_blocks_fetched == traffic.unmasked_kv_fetched == 2 * 2 * 4 * 4
     # head_dim 64 is padded to 128 lanes in the kernel's layout.
-    assert traffic.k_read == 2 * 4 * 4 * 4 * 128 * 128 * 4
+    assert traffic.k_read == 2 * 2 * 4 * 4 * 128 * 128 * 4
     assert traffic.minimum == (2 * 2 * 4 * 512 + 2 * 2 * 2 * 512) * 64 * 4
     assert traffic.ratio == pytest.approx(traffic.total / traffic.minimum)
 

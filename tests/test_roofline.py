@@ -236,6 +236,24 @@ def test_flash_vmem_is_the_kernels_own_accounting():
     assert both.vmem_bytes == max(fwd.vmem_bytes, blocks.backward_vmem_bytes(256, 128, 128, 2))
 
 
+def test_pallas_reads_kv_once_per_gqa_group():
+    """The Pallas forward and dQ grids step over GQA groups: 16 query heads on 2 kv heads read the K/V
+    bytes of 2 on 2 (splash's model reads them once per query head)."""
+    def kv_lines(impl, heads, mode="fwd+bwd"):
+        spec = roofline.problem(4096, heads=heads, kv_heads=2, head_dim=128, dtype="bfloat16", causal=True)
+        cost = roofline.cost(impl, spec, mode, q_block=512, kv_block=512)
+        return {name: b for name, b in cost.breakdown if "read K, V (" in name}, cost
+
+    gqa, gqa_cost = kv_lines("pallas", 16)
+    mha, _ = kv_lines("pallas", 2)
+    assert len(gqa) == 3 and all("of a GQA group" in name for name in gqa)  # forward, row sums, dQ
+    assert gqa == mha
+    assert gqa_cost.vmem_bytes == blocks.dq_vmem_bytes(512, 512, 128, 2, 8)
+    splash16, _ = kv_lines("splash", 16, "fwd")
+    splash2, _ = kv_lines("splash", 2, "fwd")
+    assert sum(splash16.values()) == 8 * sum(splash2.values())
+
+
 def test_visited_tiles_follow_block_map():
     spec = roofline.problem(1024, causal=True)
     assert roofline.visited_tiles(spec, 128, 128) == (36, 64)  # 8 * 9 / 2
@@ -434,7 +452,8 @@ def test_a_misspelt_schedule_model_field_is_an_error():
         ScheduleModel(lse_row_bytes=0)
     assert roofline.schedule_model("pallas") == ScheduleModel(lse_row_bytes=512, delta_row_bytes=512,
                                                               pads_head_dim=True, kernel_layout_copies=True,
-                                                              lse_copies_in_backward=2)
+                                                              lse_copies_in_backward=2,
+                                                              kv_once_per_group=True)
     with pytest.raises(ValueError, match=r"^lse_copies_in_backward: expected an int >= 0, got True"):
         ScheduleModel(lse_copies_in_backward=True)
     with pytest.raises(ValueError, match=r"^lse_written_row_bytes: expected a positive int"):

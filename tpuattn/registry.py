@@ -72,6 +72,8 @@ class ScheduleModel:
         residuals does not).
       lse_copies_in_backward: flash: buffers the backward makes of the saved logsumexp, each
         ``lse_row_bytes`` a row (0: its passes read the saved one).
+      kv_once_per_group: flash: a forward or dQ grid step serves the query heads of a GQA group with
+        one K/V block, so K/V are read once per kv head (False: once per query head).
     """
 
     live_scores: Mapping[str, Callable[[int], float]] | None = None
@@ -82,6 +84,7 @@ class ScheduleModel:
     lse_written_row_bytes: int | None = None
     forward_saves_lse: bool = True
     lse_copies_in_backward: int = 0
+    kv_once_per_group: bool = False
 
     def __post_init__(self):
         if self.live_scores is not None:

@@ -201,6 +201,25 @@ def _hbm_array_bytes(shape: str) -> int:
     return total
 
 
+_HLO_MOVES = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) (copy|transpose)\(", re.M)
+
+
+def data_movement_ops(hlo_text: str, min_bytes: int) -> list[tuple[str, str, str, int]]:
+    """``(name, op, shape, bytes)`` of every ``copy`` and ``transpose`` in an optimised program whose
+    result holds at least ``min_bytes`` (its logical size, in any memory, fused or not): the layout
+    copies a wrapper makes around its kernels. A Mosaic kernel is one ``custom-call``, so nothing
+    inside a kernel is listed. ``shape`` is the result's HLO shape without its layout
+    (``"bf16[1,4096,16,128]"``)."""
+    found = []
+    for name, shape, op in _HLO_MOVES.findall(hlo_text):
+        arrays = _HLO_ARRAY.findall(shape)
+        size = sum(math.prod(int(d) for d in dims.split(",") if d) * _HLO_BYTES.get(dtype, 0)
+                   for dtype, dims, _ in arrays)
+        if size >= min_bytes:
+            found.append((name, op, ", ".join(f"{dtype}[{dims}]" for dtype, dims, _ in arrays), size))
+    return found
+
+
 def hbm_resident_bytes(hlo_text: str) -> int:
     """HBM bytes an optimised TPU program must move: every executed instruction's operands and results
     that its buffer assignment placed in HBM, once each (a lower bound of its traffic; XLA's cost

@@ -43,7 +43,8 @@ def _block_sizes(block_sizes):
 # --------------------------------------------------------------------------- the walk
 @dataclasses.dataclass(frozen=True)
 class GridWalk:
-    """The forward grid of one (batch, head) as the pipeline visits it.
+    """The forward grid of one (batch, head block) as the pipeline visits it (a head block: the query
+    heads of a GQA group one grid step serves, all on the same K/V blocks, so one walk draws them all).
 
     ``kv_index[i, s]``: kv block named by the K/V index map at grid step ``(i, s)``;
     ``computed[i, s]``: the kernel body runs (``s < count[i]``);
@@ -76,7 +77,7 @@ class GridWalk:
 
 
 def grid_walk(spec: AttentionSpec, block_sizes=None) -> GridWalk:
-    """Walk the forward grid of one (batch, head) with the kernel's schedule and index maps.
+    """Walk the forward grid of one (batch, head block) with the kernel's schedule and index maps.
 
     Position masks only (causal, window, lengths); segment ids are data and are not drawn.
     The per-step arrays are checked against :func:`~tpuattn.pallas.plan.kv_schedule`'s
@@ -170,13 +171,14 @@ def hbm_traffic(spec: AttentionSpec, block_sizes=None, *, segment_ids=None,
       kv step, so consecutive steps name the same block and the pipeline does not re-fetch it;
     * **K, V**: one ``block_kv x head_dim`` block each time the K/V index map names a block
       different from the previous grid step's -- exactly :func:`kv_schedule`'s ``fetched``
-      count. K/V are re-read for every query block (and every query head of a GQA group);
-      skipped steps name the resident block and cost nothing;
+      count. K/V are re-read for every query block, and once per head block: a grid step serves
+      the query heads of a GQA group (``counts.q_heads`` of them) with one K/V block, so a group
+      reads its kv head's K/V once; skipped steps name the resident block and cost nothing;
     * **O**: written once, ``[batch, q_heads, q_len_padded, head_dim_padded]``;
     * **lse**: the float32 logsumexp saved for the backward pass, stored as one ``lse_lanes``
       = 128-lane row per query (the kernel's layout; lanes 0 and 1 hold ``m`` and ``log l``);
-    * **segment ids** (if any): a ``block_q x 128`` int32 column per query block and an
-      ``8 x block_kv`` int32 row per K/V fetch;
+    * **segment ids** (if any): a ``block_q x 128`` int32 column per query block of a head block
+      and an ``8 x block_kv`` int32 row per K/V fetch;
     * **minimum**: Q, K, V read once and O written once at their unpadded sizes.
 
     Not counted: the scalar-prefetch schedule (a few KiB of SMEM), VMEM-to-register traffic,
@@ -196,7 +198,8 @@ def hbm_traffic(spec: AttentionSpec, block_sizes=None, *, segment_ids=None,
     def segment_bytes(fetches: int) -> int:
         if not spec.has_segments:
             return 0
-        return b * hq * counts.num_q_blocks * bq * LANES * 4 + fetches * 8 * bk * 4
+        head_blocks = hq // counts.q_heads  # the q segment column is read once per head block's q block
+        return b * head_blocks * counts.num_q_blocks * bq * LANES * 4 + fetches * 8 * bk * 4
 
     k_read = v_read = counts.total_fetched * kv_block_bytes
     minimum = (2 * b * hq * spec.q_len + 2 * b * hkv * spec.kv_len) * spec.head_dim * itemsize

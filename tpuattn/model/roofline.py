@@ -70,7 +70,7 @@ import numpy as np
 from tpuattn import api, chips
 from tpuattn._checks import positive_int
 from tpuattn.measure.flops import FORWARD_FLOPS_PER_SCORE, MODES, attention_flops, check_mode
-from tpuattn.pallas.blocks import backward_vmem_bytes, forward_vmem_bytes
+from tpuattn.pallas.blocks import backward_vmem_bytes, dq_vmem_bytes, forward_vmem_bytes
 from tpuattn.pallas.layout import padded_head_dim
 from tpuattn.registry import ScheduleModel
 from tpuattn.spec import EMPTY, MaskSpec, spec_from_shapes
@@ -431,27 +431,34 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     # A kernel that pads head_dim to the 128 lanes moves and multiplies the padded width.
     d = padded_head_dim(spec.head_dim) if params.pads_head_dim else spec.head_dim
     visited, nq, nk, _ = _visited_tiles(spec.mask, q_block, kv_block)
-    heads = spec.batch * spec.num_q_heads  # the grid runs over (batch, q head, q block, kv block)
+    heads = spec.batch * spec.num_q_heads  # tiles are computed per (batch, q head, q block, kv block)
+    # K/V readers: a kernel whose grid step serves a GQA group's query heads reads K_j, V_j once per
+    # kv head; one that steps over query heads reads them once per query head.
+    kv_heads = spec.batch * (spec.num_kv_heads if params.kv_once_per_group else spec.num_q_heads)
     tile_flops = float(FORWARD_FLOPS_PER_SCORE) * q_block * kv_block * d  # QK^T and PV of one tile
     q_tile, kv_tile = q_block * d * e, kv_block * d * e
     # Forward: Q_i read once per q block (it stays in VMEM over the kv loop), K_j and V_j read
-    # for every visited tile (GQA: once per q head, the kernel does not share them across the
-    # group), O_i and the f32 logsumexp written once.
+    # for every visited tile (of a kv head or a q head, as above), O_i and the f32 logsumexp
+    # written once.
+    per_group = " of a GQA group" if params.kv_once_per_group else ""
     breakdown = [
         ("read Q (once per q block)", heads * nq * q_tile),
-        ("read K, V (once per visited tile)", heads * visited * 2 * kv_tile),
+        (f"read K, V (once per visited tile{per_group})", kv_heads * visited * 2 * kv_tile),
         ("write O", heads * nq * q_tile),
     ]
     flops = heads * visited * tile_flops
     # VMEM of one grid step: the Pallas kernel's own accounting (head_dim padded to the lanes).
-    vmem = forward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e)
+    group = spec.group_size if params.kv_once_per_group else 1  # query heads per grid step
+    vmem = forward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e, group)
     if mode == "fwd+bwd":
-        vmem = max(vmem, backward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e))
+        vmem = max(vmem, backward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e, group))
+        if group > 1:  # the dQ step holds the group's query heads too
+            vmem = max(vmem, dq_vmem_bytes(q_block, kv_block, padded_head_dim(d), e, group))
         if row_sum_pass:
             breakdown += [
                 ("bwd row sums: read Q, dO, lse; write delta (once per q block)",
                  heads * nq * (2 * q_tile + (lse_row + delta_row) * q_block)),
-                ("bwd row sums: read K, V (per visited tile)", heads * visited * 2 * kv_tile),
+                (f"bwd row sums: read K, V (per visited tile{per_group})", kv_heads * visited * 2 * kv_tile),
             ]
             flops += heads * visited * 1.0 * tile_flops  # S and dP again: two matmuls
         else:
@@ -475,7 +482,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
                  heads * visited * (2 * q_tile + (lse_row + delta_row) * q_block)),
                 ("bwd dQ kernel: read Q, dO, lse, delta; write dQ (once per q block)",
                  heads * nq * (3 * q_tile + (lse_row + delta_row) * q_block)),
-                ("bwd dQ kernel: read K, V (per visited tile)", heads * visited * 2 * kv_tile),
+                (f"bwd dQ kernel: read K, V (per visited tile{per_group})", kv_heads * visited * 2 * kv_tile),
             ]
             flops += heads * visited * 3.5 * tile_flops  # dK/dV: S, dP, dV, dK; dQ: S, dP, dQ
     # What the implementation writes and copies besides the tiles (its record's ``model``): the

@@ -23,7 +23,8 @@ Options:
 
 Public names (the submodules hold the rest):
   * :class:`BlockSizes`, :class:`ForwardBlocks`, :class:`BackwardBlocks`, :func:`default_block_sizes`,
-    :func:`forward_vmem_bytes`, :func:`backward_vmem_bytes` -- block sizes and the one VMEM model;
+    :func:`forward_vmem_bytes`, :func:`backward_vmem_bytes` -- block sizes and the one VMEM model
+    (``blocks.dq_vmem_bytes`` and ``blocks.fit_q_heads`` size the head blocks);
   * :func:`kv_schedule` -> :class:`ScheduleCounts` -- blocks computed / fetched per pass, counted
     from the kernel's own schedule and index maps (``plan.py``);
   * :func:`flash_forward` (out and logsumexp terms), :func:`flash_backward` (dq, dk, dv);
@@ -37,9 +38,11 @@ Design in one paragraph each:
     read it so a step past a block's count names the block already resident (no DMA) and
     ``pl.when`` skips its compute; the grid's reduction axis is as long as the longest list.
     Segment ids add a run-time per-tile [min, max] overlap test computed in JAX.
-  * GQA/MQA: index maps send query head ``h`` to kv head ``h // group``; the dK/dV grid runs
-    over kv heads with the group's query heads as an ``arbitrary`` axis, so dK/dV are summed
-    in VMEM and K/V are never repeated.
+  * GQA/MQA: the forward and dQ grids run over head blocks, the query heads of one GQA group (a
+    divisor of it where the chip's VMEM asks), looped inside a grid step against one K/V block:
+    K/V are fetched once per group and a 16/2-head problem takes the grid steps of a 2/2 one. The
+    dK/dV grid runs over kv heads, a step looping over a head block of the group's query heads (the
+    head blocks an ``arbitrary`` axis), so dK/dV are summed in VMEM; K/V are never repeated.
   * Backward: FlashAttention-2 as three passes (row sums of P * dP, dQ, dK/dV), with the
     logsumexp saved as (max, log sum) for precision; see ``backward.py`` for why delta is the row
     sum of P * dP by default (``backward="fast"`` drops that pass).
@@ -107,7 +110,8 @@ register(
     # logsumexp and delta are kept 128 lanes wide (f32), head_dim padded to 128, and the wrapper
     # copies Q, K, V, O (dO, dQ, dK, dV) to and from [batch, heads, seq, head_dim] around the kernels.
     # The backward pads the saved logsumexp to 128 lanes for its q-major passes and transposes it for
-    # the dK/dV pass (backward.py): two more logsumexp-sized buffers.
+    # the dK/dV pass (backward.py): two more logsumexp-sized buffers. The forward and dQ grids step
+    # over GQA groups: K/V read once per kv head.
     model=ScheduleModel(lse_row_bytes=4 * LANES, delta_row_bytes=4 * LANES, pads_head_dim=True,
-                        kernel_layout_copies=True, lse_copies_in_backward=2),
+                        kernel_layout_copies=True, lse_copies_in_backward=2, kv_once_per_group=True),
 )

@@ -11,13 +11,16 @@ Three passes, so that every output block is owned by one grid cell and no atomic
 (a TPU kernel has none; FlashAttention-2 on a GPU instead adds dQ atomically from one kernel):
 
 1. **row sums** -- the dQ grid, computing only ``delta = rowsum(P * dP)`` per query row;
-2. **dQ** -- grid ``(batch, q_head, q_block, kv_step)`` with the forward's schedule (built for
-   the backward block sizes): one query block accumulates over its visible kv blocks;
-3. **dK/dV** -- grid ``(batch, kv_head, kv_block, group_member, q_step)``. Each cell owns one
-   key/value block of one kv head and loops over the query heads of its GQA group and the
-   query blocks the schedule says can see it (the last two axes are the reduction:
-   ``arbitrary``), summing into float32 VMEM scratch; so dK and dV come out already summed
-   over the group and K/V are never repeated. It works on the transposed scores
+2. **dQ** -- grid ``(batch, head_block, q_block, kv_step)`` with the forward's schedule (built for
+   the backward block sizes) and head blocks (the query heads of a GQA group, looped inside a step
+   against one K/V block: K/V fetched once per group): one query block of each head accumulates over
+   its visible kv blocks (pass 1 runs on the same grid);
+3. **dK/dV** -- grid ``(batch, kv_head, kv_block, head_block, q_step)``. Each cell owns one
+   key/value block of one kv head and loops over the query heads of its GQA group (a step serves
+   a head block of them, the whole group unless the chip's VMEM asks for fewer, looped inside the
+   step; the head blocks are a grid axis) and the query blocks the schedule says can see it (the
+   last two axes are the reduction: ``arbitrary``), summing into float32 VMEM scratch; so dK and dV
+   come out already summed over the group and K/V are never repeated. It works on the transposed scores
    ``S^T = K Q^T`` ``[block_kv, block_q]`` so that logsumexp and delta, stored as rows
    ``[.., 1 or 2, q_len]``, broadcast along sublanes without a transpose.
 
@@ -73,7 +76,7 @@ def _softcap_grad(s_scaled, softcap):
 
 
 # --------------------------------------------------------------------------- row sums and dQ
-def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_segments, precision,
+def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, has_segments, precision,
                row_sums_only):
     """Pass 1 (``row_sums_only``: writes rowsum(P * dP)) or pass 2 (reads it as delta, writes dQ)."""
     prefetch, inputs, (q_seg_ref, kv_seg_ref), (out_ref, acc_ref) = plan.split_refs(
@@ -87,24 +90,31 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_segmen
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def update(kv_block, apply_mask: bool):
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-        s, dcap = _softcap_grad(s * scale, softcap)
-        # logsumexp = m + log l, lanes 0 and 1 of a [block_q, 128] tile.
-        p = jnp.exp((s - lse_ref[:, 0:1]) - lse_ref[:, 1:2])
-        if apply_mask:
+        k, v = k_ref[...], v_ref[...]  # one K/V block for every query head of the step
+        keep = None
+        if apply_mask:  # the same for every head: built once per step
             segments = (q_seg_ref[:, :1], kv_seg_ref[:1, :]) if has_segments else ()
-            keep = tile_visibility(mask, s.shape, i * block_q, kv_block * block_kv, *segments)
-            p = jnp.where(keep, p, 0.0)
-        dp = jax.lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-        if row_sums_only:  # the same sum in every lane: the output is delta, lane-replicated
-            acc_ref[...] += jnp.sum(p * dp, axis=1, keepdims=True)
-            return
-        ds = p * (dp - delta_ref[:, :1])
-        if dcap is not None:
-            ds = ds * dcap
-        acc_ref[...] += scale * jnp.dot(ds.astype(k.dtype), k, precision=precision,
-                                        preferred_element_type=jnp.float32)
+            keep = tile_visibility(mask, (block_q, block_kv), i * block_q, kv_block * block_kv, *segments)
+
+        def head(h):
+            q, do, lse = q_ref[h], do_ref[h], lse_ref[h]
+            s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+            s, dcap = _softcap_grad(s * scale, softcap)
+            # logsumexp = m + log l, lanes 0 and 1 of a [block_q, 128] tile.
+            p = jnp.exp((s - lse[:, 0:1]) - lse[:, 1:2])
+            if keep is not None:
+                p = jnp.where(keep, p, 0.0)
+            dp = jax.lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+            if row_sums_only:  # the same sum in every lane: the output is delta, lane-replicated
+                acc_ref[h] += jnp.sum(p * dp, axis=1, keepdims=True)
+                return
+            ds = p * (dp - delta_ref[h][:, :1])
+            if dcap is not None:
+                ds = ds * dcap
+            acc_ref[h] += scale * jnp.dot(ds.astype(k.dtype), k, precision=precision,
+                                          preferred_element_type=jnp.float32)
+
+        plan.head_loop(q_heads, head)
 
     plan.scheduled_step(sched, prefetch, b, i, step, update)
 
@@ -114,7 +124,7 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_segmen
 
 
 # --------------------------------------------------------------------------- dK/dV
-def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, group_size, has_segments,
+def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, head_blocks, q_heads, has_segments,
                 precision):
     prefetch, inputs, (q_seg_ref, kv_seg_ref), (dk_ref, dv_ref, dk_acc, dv_acc) = plan.split_refs(
         refs, 6, has_segments)
@@ -127,28 +137,35 @@ def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, group_siz
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
     def update(q_block, apply_mask: bool):
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        # Transposed scores [block_kv, block_q]: logsumexp and delta are rows [1, block_q].
-        st = jax.lax.dot_general(k, q, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-        st, dcap = _softcap_grad(st * scale, softcap)
-        pt = jnp.exp((st - lse_ref[0:1, :]) - lse_ref[1:2, :])  # rows: m, log l
-        if apply_mask:
+        k, v = k_ref[...], v_ref[...]
+        keep = None
+        if apply_mask:  # the same for every query head of the step: built once
             segments = (q_seg_ref[:1, :], kv_seg_ref[:, :1]) if has_segments else ()
-            keep = tile_visibility(mask, st.shape, q_block * block_q, j * block_kv, *segments,
+            keep = tile_visibility(mask, (block_kv, block_q), q_block * block_q, j * block_kv, *segments,
                                    transposed=True)
-            pt = jnp.where(keep, pt, 0.0)
-        dv_acc[...] += jnp.dot(pt.astype(do.dtype), do, precision=precision,
-                               preferred_element_type=jnp.float32)
-        dpt = jax.lax.dot_general(v, do, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-        dst = pt * (dpt - delta_ref[...])
-        if dcap is not None:
-            dst = dst * dcap
-        dk_acc[...] += scale * jnp.dot(dst.astype(q.dtype), q, precision=precision,
-                                       preferred_element_type=jnp.float32)
+
+        def head(h):
+            q, do, lse = q_ref[h], do_ref[h], lse_ref[h]
+            # Transposed scores [block_kv, block_q]: logsumexp and delta are rows [1, block_q].
+            st = jax.lax.dot_general(k, q, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+            st, dcap = _softcap_grad(st * scale, softcap)
+            pt = jnp.exp((st - lse[0:1, :]) - lse[1:2, :])  # rows: m, log l
+            if keep is not None:
+                pt = jnp.where(keep, pt, 0.0)
+            dv_acc[...] += jnp.dot(pt.astype(do.dtype), do, precision=precision,
+                                   preferred_element_type=jnp.float32)
+            dpt = jax.lax.dot_general(v, do, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+            dst = pt * (dpt - delta_ref[h])
+            if dcap is not None:
+                dst = dst * dcap
+            dk_acc[...] += scale * jnp.dot(dst.astype(q.dtype), q, precision=precision,
+                                           preferred_element_type=jnp.float32)
+
+        plan.head_loop(q_heads, head)
 
     plan.scheduled_step(sched, prefetch, b, j, step, update)
 
-    @pl.when(jnp.logical_and(member == group_size - 1, step == sched.steps - 1))
+    @pl.when(jnp.logical_and(member == head_blocks - 1, step == sched.steps - 1))
     def _finish():
         dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
@@ -183,32 +200,36 @@ def _q_major_pass(pb: _Problem, delta_col=None):
     spec, bq, bk, d = pb.spec, pb.bq, pb.bk, pb.d
     row_sums_only = delta_col is None
     sched = plan.build_schedule(pb.pos_map, pb.overlap())
-    maps = plan.forward_index_maps(sched, spec.group_size)
+    hq = plan.q_heads_per_step(spec, "dq", bq, bk)
+    maps = plan.forward_index_maps(sched, spec.group_size, hq)
     lse_col = pad_to_multiple(pb.lse, 3, LANES)  # [b, h, tq, 128]: lanes 0, 1 = m, log l
-    in_specs = [pl.BlockSpec((None, None, bq, d), maps["q"]),
+    in_specs = [pl.BlockSpec((None, hq, bq, d), maps["q"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"]),
-                pl.BlockSpec((None, None, bq, d), maps["q"]),
-                pl.BlockSpec((None, None, bq, LANES), maps["q"])]
+                pl.BlockSpec((None, hq, bq, d), maps["q"]),
+                pl.BlockSpec((None, hq, bq, LANES), maps["q"])]
     operands = [pb.qp, pb.kp, pb.vp, pb.dop, lse_col]
     if not row_sums_only:
-        in_specs.append(pl.BlockSpec((None, None, bq, LANES), maps["q"]))
+        in_specs.append(pl.BlockSpec((None, hq, bq, LANES), maps["q"]))
         operands.append(delta_col)
     if pb.segs is not None:
         in_specs += [pl.BlockSpec((None, bq, LANES), maps["q_segment"]),
                      pl.BlockSpec((None, SUBLANES, bk), maps["kv_segment"])]
         operands += [pb.segs["q_col"], pb.segs["kv_row"]]
     width, dtype = (LANES, jnp.float32) if row_sums_only else (d, pb.qp.dtype)
+    vmem_limit = None if pb.interpret else plan.head_block_vmem_limit(spec, "dq", bq, bk, hq)
     return pl.pallas_call(
-        functools.partial(_dq_kernel, sched=sched, row_sums_only=row_sums_only, **pb.kernel_args),
+        functools.partial(_dq_kernel, sched=sched, row_sums_only=row_sums_only, q_heads=hq,
+                          **pb.kernel_args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(spec.batch, spec.num_q_heads, pb.tq // bq, sched.steps),
+            num_scalar_prefetch=3, grid=(spec.batch, spec.num_q_heads // hq, pb.tq // bq, sched.steps),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, bq, width), maps["q"]),
-            scratch_shapes=[pltpu.VMEM((bq, width), jnp.float32)]),
+            out_specs=pl.BlockSpec((None, hq, bq, width), maps["q"]),
+            scratch_shapes=[pltpu.VMEM((hq, bq, width), jnp.float32)]),
         out_shape=compat.out_struct((spec.batch, spec.num_q_heads, pb.tq, width), dtype, pb.qp),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit),
         interpret=pb.interpret,
         name="tpuattn_flash_row_sums" if row_sums_only else "tpuattn_flash_dq",
     )(*sched.arrays(), *operands)
@@ -218,29 +239,33 @@ def _dkv_pass(pb: _Problem, delta_row):
     """Pass 3: dK, dV (kv-major schedule, the group's query heads looped inside)."""
     spec, bq, bk, d, group = pb.spec, pb.bq, pb.bk, pb.d, pb.spec.group_size
     sched = plan.build_schedule(pb.pos_map.T, pb.overlap(transpose=True))
-    maps = plan.dkv_index_maps(sched, group)
-    in_specs = [pl.BlockSpec((None, None, bq, d), maps["q"]),
+    hq = plan.q_heads_per_step(spec, "dkv", bq, bk)
+    maps = plan.dkv_index_maps(sched, group, hq)
+    in_specs = [pl.BlockSpec((None, hq, bq, d), maps["q"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"]),
-                pl.BlockSpec((None, None, bq, d), maps["q"]),
-                pl.BlockSpec((None, None, 2, bq), maps["q_row"]),
-                pl.BlockSpec((None, None, 1, bq), maps["q_row"])]
+                pl.BlockSpec((None, hq, bq, d), maps["q"]),
+                pl.BlockSpec((None, hq, 2, bq), maps["q_row"]),
+                pl.BlockSpec((None, hq, 1, bq), maps["q_row"])]
     operands = [pb.qp, pb.kp, pb.vp, pb.dop, jnp.swapaxes(pb.lse, 2, 3), delta_row]
     if pb.segs is not None:
         in_specs += [pl.BlockSpec((None, SUBLANES, bq), maps["q_segment"]),
                      pl.BlockSpec((None, bk, LANES), maps["kv_segment"])]
         operands += [pb.segs["q_row"], pb.segs["kv_col"]]
     kv_block_spec = pl.BlockSpec((None, None, bk, d), maps["kv"])
+    vmem_limit = None if pb.interpret else plan.head_block_vmem_limit(spec, "dkv", bq, bk, hq)
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, sched=sched, group_size=group, **pb.kernel_args),
+        functools.partial(_dkv_kernel, sched=sched, head_blocks=group // hq, q_heads=hq, **pb.kernel_args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(spec.batch, spec.num_kv_heads, pb.tk // bk, group, sched.steps),
+            num_scalar_prefetch=3,
+            grid=(spec.batch, spec.num_kv_heads, pb.tk // bk, group // hq, sched.steps),
             in_specs=in_specs, out_specs=[kv_block_spec, kv_block_spec],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)]),
         out_shape=[compat.out_struct(pb.kp.shape, pb.kp.dtype, pb.kp),
                    compat.out_struct(pb.vp.shape, pb.vp.dtype, pb.vp)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=vmem_limit),
         interpret=pb.interpret,
         name="tpuattn_flash_dkv",
     )(*sched.arrays(), *operands)

@@ -112,35 +112,88 @@ def as_block_sizes(value, head_dim: int, dtype) -> BlockSizes:
 CANDIDATES = (512, 256, 128)
 
 
-def forward_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int) -> int:
-    """VMEM one forward grid step holds (head_dim already padded to 128).
+def forward_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int, q_heads: int = 1) -> int:
+    """VMEM one forward grid step holds (head_dim already padded to 128), the step serving ``q_heads``
+    query heads of one GQA group (:func:`fit_q_heads`) against one K/V block.
 
-    inputs, double-buffered by the pipeline:   2 * (block_q + 2 * block_kv) * head_dim * itemsize
-    output, double-buffered:                   2 * block_q * head_dim * itemsize
-    float32 scratch (accumulator, m, l):       4 * block_q * (head_dim + 2 * 128)
-    float32 temporaries (s, p, mask):          3 * 4 * block_q * block_kv
+    inputs, double-buffered by the pipeline:   2 * (q_heads * block_q + 2 * block_kv) * head_dim * itemsize
+    output, double-buffered:                   2 * q_heads * block_q * head_dim * itemsize
+    float32 scratch (accumulator, m, l):       4 * q_heads * block_q * (head_dim + 2 * 128)
+    float32 temporaries (s, p, mask):          3 * 4 * block_q * block_kv   (one head at a time)
     """
-    inputs = 2 * (block_q + 2 * block_kv) * head_dim * itemsize
-    output = 2 * block_q * head_dim * itemsize
-    scratch = 4 * block_q * (head_dim + 2 * LANES)
+    inputs = 2 * (q_heads * block_q + 2 * block_kv) * head_dim * itemsize
+    output = 2 * q_heads * block_q * head_dim * itemsize
+    scratch = 4 * q_heads * block_q * (head_dim + 2 * LANES)
     temps = 3 * 4 * block_q * block_kv
     return inputs + output + scratch + temps
 
 
-def backward_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int) -> int:
-    """VMEM one dK/dV grid step holds (the larger of the two backward passes).
+def backward_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int, q_heads: int = 1) -> int:
+    """VMEM one dK/dV grid step holds (the larger of the two backward passes at one head a step),
+    serving ``q_heads`` query heads of a GQA group against one K/V block.
 
-    inputs q, dO (block_q rows) and k, v (block_kv rows), double-buffered:
-                                               2 * 2 * (block_q + block_kv) * head_dim * itemsize
+    inputs q, dO (block_q rows per head) and k, v (block_kv rows), double-buffered:
+                                               2 * 2 * (q_heads * block_q + block_kv) * head_dim * itemsize
     outputs dK, dV double-buffered:            2 * 2 * block_kv * head_dim * itemsize
     float32 scratch dK, dV:                    2 * 4 * block_kv * head_dim
-    float32 temporaries (s, p, dp, ds):        4 * 4 * block_q * block_kv
+    float32 temporaries (s, p, dp, ds):        4 * 4 * block_q * block_kv   (one head at a time)
     """
-    inputs = 4 * (block_q + block_kv) * head_dim * itemsize
+    inputs = 4 * (q_heads * block_q + block_kv) * head_dim * itemsize
     outputs = 4 * block_kv * head_dim * itemsize
     scratch = 8 * block_kv * head_dim
     temps = 16 * block_q * block_kv
     return inputs + outputs + scratch + temps
+
+
+def dq_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int, q_heads: int = 1) -> int:
+    """VMEM one dQ (or row-sum) grid step holds, serving ``q_heads`` query heads against one K/V block.
+
+    inputs q, dO (per head) and k, v, double-buffered:
+                                               2 * 2 * (q_heads * block_q + block_kv) * head_dim * itemsize
+    float32 logsumexp and delta, 128 lanes, double-buffered:
+                                               2 * 2 * q_heads * block_q * 128 * 4
+    output dQ, double-buffered, and its float32 scratch:
+                                               q_heads * block_q * head_dim * (2 * itemsize + 4)
+    float32 temporaries (s, p, dp, ds):        4 * 4 * block_q * block_kv   (one head at a time)
+
+    Used to choose the heads per step of the dQ grid; :func:`backward_vmem_bytes` (the dK/dV step)
+    at one head a step sizes the backward blocks.
+    """
+    inputs = 4 * (q_heads * block_q + block_kv) * head_dim * itemsize
+    rows = 16 * q_heads * block_q * LANES
+    output = q_heads * block_q * head_dim * (2 * itemsize + 4)
+    return inputs + rows + output + 16 * block_q * block_kv
+
+
+# A head-block kernel asks the compiler for its modelled VMEM times this margin, and a head block is
+# chosen so that this fits in three quarters of the chip's VMEM (the rest for the compiler's own use).
+# 2, not the decode kernel's 1.5: compiled for v5e, the forward of a group of 8 query heads (512 x 512,
+# bf16, head_dim 128) asked for 21.59 MiB against 13.5 MiB modelled (1.6x; the unrolled head loop
+# keeps more than one head's temporaries live).
+VMEM_MARGIN = 2.0
+
+
+def fit_q_heads(group_size: int, need, chip=None) -> int:
+    """Query heads one forward, dQ or dK/dV grid step serves: the largest divisor of the GQA ``group_size``
+    whose modelled VMEM ``need(q_heads)`` (bytes), with :data:`VMEM_MARGIN`, fits three quarters of
+    ``chip``'s VMEM. The whole group without a chip (interpret mode has no VMEM to fit). K/V blocks
+    are then fetched once per head block, not once per query head."""
+    if chip is None:
+        return group_size
+    for q_heads in range(group_size, 0, -1):
+        if group_size % q_heads == 0 and need(q_heads) * VMEM_MARGIN <= chip.vmem_bytes * 3 // 4:
+            return q_heads
+    return 1
+
+
+def vmem_limit_bytes(need: int, q_heads: int, chip=None) -> int | None:
+    """``vmem_limit_bytes`` of a head-block kernel: None (the compiler's default scoped limit,
+    ``Chip.kernel_vmem_bytes``) for one head per step, off a chip, or while the modelled ``need`` with
+    :data:`VMEM_MARGIN` fits the default; else that, rounded up to a MiB, at most the chip's VMEM."""
+    want = int(need * VMEM_MARGIN)
+    if q_heads == 1 or chip is None or want <= chip.kernel_vmem_bytes:
+        return None
+    return min(round_up(want, 1 << 20), chip.vmem_bytes)
 
 
 def vmem_budget_bytes(capacity: int) -> int:

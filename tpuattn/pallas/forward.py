@@ -1,9 +1,13 @@
 """The forward kernel: online softmax over the scheduled key/value blocks.
 
-Grid ``(batch, q_head, q_block, kv_step)``. The first three axes are independent
-(``parallel``: Mosaic may split them across TensorCores); the kv axis is a reduction into
-VMEM scratch that lives across its steps, so it must run in order on one core
-(``arbitrary``) and be the last (fastest) axis.
+Grid ``(batch, head_block, q_block, kv_step)``. A head block is the query heads of one GQA group
+(or a divisor of it, where the chip's VMEM asks: :func:`tpuattn.pallas.plan.q_heads_per_step`): a
+step loops over them against one K/V block, so each K/V block is fetched once per group, not once
+per query head, and a 16-query/2-kv-head problem takes the grid steps of a 2/2 one. The blocks hold
+the heads on a leading axis (``(q_heads, block_q, head_dim)``), so each head is a whole
+(sublane, lane) tile. The first three axes are independent (``parallel``: Mosaic may split them
+across TensorCores); the kv axis is a reduction into VMEM scratch that lives across its steps, so it
+must run in order on one core (``arbitrary``) and be the last (fastest) axis.
 
 The layout (``[batch, heads, seq, head_dim]``, padded to tiles) is :mod:`tpuattn.pallas.layout`'s;
 the schedule, index maps and step guard are :mod:`tpuattn.pallas.plan`'s.
@@ -34,13 +38,14 @@ from tpuattn.pallas.layout import (
 
 
 # --------------------------------------------------------------------------- kernel
-def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_segments, precision):
+def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, has_segments,
+                    precision):
     prefetch, (q_ref, k_ref, v_ref), (q_seg_ref, kv_seg_ref), rest = plan.split_refs(refs, 3, has_segments)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
-    # Running max m and sum l are kept lane-replicated ([block_q, 128]) and in float32: exp and
-    # the long sum lose too much in bfloat16, and the scratch persists across the kv steps.
+    # Running max m and sum l are kept lane-replicated ([q_heads, block_q, 128]) and in float32:
+    # exp and the long sum lose too much in bfloat16, and the scratch persists across the kv steps.
     @pl.when(step == 0)
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
@@ -48,24 +53,31 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_s
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def update(kv_block, apply_mask: bool):
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-        s = apply_softcap(s * scale, softcap)
-        if apply_mask:
+        k, v = k_ref[...], v_ref[...]  # one K/V block for every query head of the step
+        keep = None
+        if apply_mask:  # the mask is the same for every head: built once per step
             segments = (q_seg_ref[:, :1], kv_seg_ref[:1, :]) if has_segments else ()
-            keep = tile_visibility(mask, s.shape, i * block_q, kv_block * block_kv, *segments)
-            s = jnp.where(keep, s, -jnp.inf)
-        m_prev, l_prev = m_ref[...], l_ref[...]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        # A row with no visible key so far keeps m = -inf; shift by 0 instead so that
-        # exp(-inf - shift) = 0 rather than exp(-inf + inf) = NaN.
-        shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        p = jnp.exp(s - shift[:, :1])
-        alpha = jnp.exp(m_prev - shift)
-        l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_next
-        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+            keep = tile_visibility(mask, (block_q, block_kv), i * block_q, kv_block * block_kv, *segments)
+
+        def head(h):
+            s = jax.lax.dot_general(q_ref[h], k, NT_DIMS, precision=precision,
+                                    preferred_element_type=jnp.float32)
+            s = apply_softcap(s * scale, softcap)
+            if keep is not None:
+                s = jnp.where(keep, s, -jnp.inf)
+            m_prev, l_prev = m_ref[h], l_ref[h]
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            # A row with no visible key so far keeps m = -inf; shift by 0 instead so that
+            # exp(-inf - shift) = 0 rather than exp(-inf + inf) = NaN.
+            shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            p = jnp.exp(s - shift[:, :1])
+            alpha = jnp.exp(m_prev - shift)
+            l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[h] = m_next
+            pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+            acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
+
+        plan.head_loop(q_heads, head)
 
     plan.scheduled_step(sched, prefetch, b, i, step, update)
 
@@ -75,14 +87,14 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, has_s
         # Rows that saw no key (l = 0) output zeros; a NaN l (a NaN among the row's keys) must
         # propagate, so the test is "l != 0", not "l > 0".
         seen = l_sum != 0
-        o_ref[...] = jnp.where(seen[:, :1], acc_ref[...] / jnp.where(seen, l_sum, 1.0)[:, :1],
+        o_ref[...] = jnp.where(seen[..., :1], acc_ref[...] / jnp.where(seen, l_sum, 1.0)[..., :1],
                                0.0).astype(o_ref.dtype)
         # The logsumexp m + log(l) is saved as its two terms (lane 0: m, lane 1: log l): with
         # logits near 1e3 the float32 sum would carry an absolute error of ~1e-4, and the
         # backward's exp(s - m - log l) would inherit it; s - m is exact where s is.
         m = jnp.where(seen, m, 0.0)
         log_l = jnp.where(seen, jnp.log(jnp.where(seen, l_sum, 1.0)), 0.0)
-        lane = jax.lax.broadcasted_iota(jnp.int32, m.shape, 1)
+        lane = jax.lax.broadcasted_iota(jnp.int32, m.shape, 2)
         # Lane 2: did the row see any key (for a block of a larger problem, whose rows may see
         # nothing here and something elsewhere: (0, 0) alone cannot say).
         lse_ref[...] = jnp.where(lane == 0, m, jnp.where(lane == 1, log_l, seen.astype(jnp.float32)))
@@ -111,9 +123,10 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
         segs = segment_layouts(segment_ids, bq, bk)
         overlap = plan.schedule_overlap(segs, bq, bk, interpret)
     sched = plan.build_schedule(plan.position_map(spec.mask, bq, bk, tq, tk), overlap)
-    maps = plan.forward_index_maps(sched, spec.group_size)
+    hq = plan.q_heads_per_step(spec, "forward", bq, bk)
+    maps = plan.forward_index_maps(sched, spec.group_size, hq)
 
-    in_specs = [pl.BlockSpec((None, None, bq, d), maps["q"]),
+    in_specs = [pl.BlockSpec((None, hq, bq, d), maps["q"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"]),
                 pl.BlockSpec((None, None, bk, d), maps["kv"])]
     operands = [qp, kp, vp]
@@ -121,33 +134,36 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
         in_specs += [pl.BlockSpec((None, bq, LANES), maps["q_segment"]),
                      pl.BlockSpec((None, SUBLANES, bk), maps["kv_segment"])]
         operands += [segs["q_col"], segs["kv_row"]]
-    out_specs = [pl.BlockSpec((None, None, bq, d), maps["q"]),
-                 pl.BlockSpec((None, None, bq, LANES), maps["q"])]
+    out_specs = [pl.BlockSpec((None, hq, bq, d), maps["q"]),
+                 pl.BlockSpec((None, hq, bq, LANES), maps["q"])]
     out_dtype = q.dtype if out_dtype is None else out_dtype
     out_shape = [compat.out_struct((spec.batch, spec.num_q_heads, tq, d), out_dtype, qp),
                  compat.out_struct((spec.batch, spec.num_q_heads, tq, LANES), jnp.float32, qp)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(spec.batch, spec.num_q_heads, nq, sched.steps),
+        grid=(spec.batch, spec.num_q_heads // hq, nq, sched.steps),
         in_specs=in_specs,
         out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max m
-                        pltpu.VMEM((bq, LANES), jnp.float32),  # running sum l
-                        pltpu.VMEM((bq, d), jnp.float32)],  # output accumulator
+        scratch_shapes=[pltpu.VMEM((hq, bq, LANES), jnp.float32),  # running max m, per head
+                        pltpu.VMEM((hq, bq, LANES), jnp.float32),  # running sum l
+                        pltpu.VMEM((hq, bq, d), jnp.float32)],  # output accumulators
     )
     kernel = functools.partial(
         _forward_kernel, sched=sched, mask=spec.mask, scale=spec.scale, softcap=spec.softcap,
-        block_q=bq, block_kv=bk, has_segments=segs is not None, precision=matmul_precision(q.dtype))
+        block_q=bq, block_kv=bk, q_heads=hq, has_segments=segs is not None,
+        precision=matmul_precision(q.dtype))
     itemsize = jnp.dtype(q.dtype).itemsize
-    computed = spec.batch * spec.num_q_heads * sched.num_outer * sched.steps  # upper bound
+    computed = spec.batch * spec.num_q_heads * sched.num_outer * sched.steps  # tiles, an upper bound
     cost = pl.CostEstimate(flops=4 * computed * bq * bk * d, transcendentals=computed * bq * bk,
                            bytes_accessed=itemsize * (qp.size * 2 + kp.size + vp.size))
+    vmem_limit = None if interpret else plan.head_block_vmem_limit(spec, "forward", bq, bk, hq)
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         cost_estimate=cost,
         name="tpuattn_flash_forward",

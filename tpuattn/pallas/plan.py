@@ -38,10 +38,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from tpuattn import chips
 from tpuattn._checks import round_up
 from tpuattn.pallas import compat
-from tpuattn.pallas.blocks import as_block_sizes
-from tpuattn.pallas.layout import padded_segment_ids
+from tpuattn.pallas.blocks import (
+    as_block_sizes,
+    backward_vmem_bytes,
+    dq_vmem_bytes,
+    fit_q_heads,
+    forward_vmem_bytes,
+    vmem_limit_bytes,
+)
+from tpuattn.pallas.layout import padded_head_dim, padded_segment_ids
 from tpuattn.sharding import varying_axes
 from tpuattn.spec import EMPTY, FULL, PARTIAL
 
@@ -182,10 +190,40 @@ def scheduled_step(sched: Schedule, prefetch_refs, b, outer, step, update) -> No
     pl.when(jnp.logical_and(active, jnp.logical_not(needs_mask)))(lambda: update(inner, False))
 
 
+# --------------------------------------------------------------------------- head blocks
+def q_heads_per_step(spec, pass_name: str, block_q: int, block_kv: int) -> int:
+    """Query heads one grid step of the forward (``pass_name="forward"``), the dQ and row-sum passes
+    (``"dq"``) or the dK/dV pass (``"dkv"``) serves: query heads of one GQA group, all of them unless
+    the target chip's VMEM asks for fewer (:func:`tpuattn.pallas.blocks.fit_q_heads`). Their kv
+    head's K/V block serves them all."""
+    need = {"forward": forward_vmem_bytes, "dq": dq_vmem_bytes, "dkv": backward_vmem_bytes}[pass_name]
+    d, itemsize = padded_head_dim(spec.head_dim), np.dtype(spec.dtype).itemsize
+    return fit_q_heads(spec.group_size, lambda h: need(block_q, block_kv, d, itemsize, h),
+                       chips.target_chip())
+
+
+def head_block_vmem_limit(spec, pass_name: str, block_q: int, block_kv: int, q_heads: int) -> int | None:
+    """The ``vmem_limit_bytes`` a kernel serving ``q_heads`` query heads per step asks
+    the target chip for (:func:`tpuattn.pallas.blocks.vmem_limit_bytes`; None: the default)."""
+    need = {"forward": forward_vmem_bytes, "dq": dq_vmem_bytes, "dkv": backward_vmem_bytes}[pass_name]
+    d, itemsize = padded_head_dim(spec.head_dim), np.dtype(spec.dtype).itemsize
+    return vmem_limit_bytes(need(block_q, block_kv, d, itemsize, q_heads), q_heads, chips.target_chip())
+
+
+def head_loop(q_heads: int, body) -> None:
+    """Run ``body(h)`` for the ``q_heads`` query heads of a grid step, ``h`` a traced int32 (index a
+    head block's refs with it: ``q_ref[h]``). A ``fori_loop`` unrolled when lowered, so the compiler
+    may overlap one head's matmuls with another's softmax; in the jaxpr one ``scan`` whose body is one
+    head's tile (what :func:`matmuls_per_step` counts)."""
+    jax.lax.fori_loop(0, q_heads, lambda h, carry: (body(h), carry)[1], 0, unroll=True)
+
+
 # --------------------------------------------------------------------------- index maps
-# The kernels' BlockSpec index maps. Grid of the forward and dQ passes: (batch, q_head,
-# q_block, kv_step); grid of the dK/dV pass: (batch, kv_head, kv_block, group_member, q_step).
-# The trailing arguments are the scalar-prefetch refs (index, needs_mask, count).
+# The kernels' BlockSpec index maps. Grid of the forward and dQ passes: (batch, head_block,
+# q_block, kv_step), a head block being ``q_heads`` query heads of one GQA group (leading-axis
+# blocks ``(q_heads, block_q, head_dim)``); grid of the dK/dV pass: (batch, kv_head, kv_block,
+# head_block, q_step), the head blocks of the kv head's group. The trailing arguments are the
+# scalar-prefetch refs (index, needs_mask, count).
 def _head_div(h, group_size: int):
     """``h // group_size`` for a non-negative head index: truncating division (``lax.div``)
     in a kernel, where floor division would lower through ``sign``; plain ``//`` on Python ints."""
@@ -194,33 +232,42 @@ def _head_div(h, group_size: int):
     return jax.lax.div(h, jnp.asarray(group_size, h.dtype))
 
 
-def forward_index_maps(sched: Schedule, group_size: int):
-    """Index maps of the forward/dQ grid ``(b, h, i, s)`` over ``[batch, heads, seq, dim]`` arrays."""
+def forward_index_maps(sched: Schedule, group_size: int, q_heads: int = 1):
+    """Index maps of the forward/dQ grid ``(b, hb, i, s)`` over ``[batch, heads, seq, dim]`` arrays:
+    head block ``hb`` holds query heads ``hb * q_heads ...`` (a divisor of ``group_size``)."""
+    if group_size % q_heads:
+        raise ValueError(f"q_heads: expected a divisor of the group size {group_size}, got {q_heads}")
+    blocks_per_kv_head = group_size // q_heads
 
-    def q_map(b, h, i, s, index_ref, mask_ref, count_ref):
-        return (b, h, i, 0)
+    def q_map(b, hb, i, s, index_ref, mask_ref, count_ref):  # block (q_heads, block_q, d)
+        return (b, hb, i, 0)
 
-    def kv_map(b, h, i, s, index_ref, mask_ref, count_ref):
-        # GQA: query head h reads key/value head h // group_size; no copy of K/V per query head.
-        return (b, _head_div(h, group_size), visited_block(sched, index_ref, b, i, s), 0)
+    def kv_map(b, hb, i, s, index_ref, mask_ref, count_ref):
+        # GQA: a head block's query heads share one kv head; its K/V block serves them all, and
+        # K/V are never repeated per query head.
+        return (b, _head_div(hb, blocks_per_kv_head), visited_block(sched, index_ref, b, i, s), 0)
 
-    def q_segment_map(b, h, i, s, index_ref, mask_ref, count_ref):  # [batch, q_len, 128]
+    def q_segment_map(b, hb, i, s, index_ref, mask_ref, count_ref):  # [batch, q_len, 128]
         return (b, i, 0)
 
-    def kv_segment_map(b, h, i, s, index_ref, mask_ref, count_ref):  # [batch, 8, kv_len]
+    def kv_segment_map(b, hb, i, s, index_ref, mask_ref, count_ref):  # [batch, 8, kv_len]
         return (b, 0, visited_block(sched, index_ref, b, i, s))
 
     return {"q": q_map, "kv": kv_map, "q_segment": q_segment_map, "kv_segment": kv_segment_map}
 
 
-def dkv_index_maps(sched: Schedule, group_size: int):
-    """Index maps of the dK/dV grid ``(b, kv_head, j, g, t)``: query head ``kv_head * group + g``."""
+def dkv_index_maps(sched: Schedule, group_size: int, q_heads: int = 1):
+    """Index maps of the dK/dV grid ``(b, kv_head, j, g, t)``: head block ``g`` of kv head ``kv_head``'s
+    group, query heads ``kv_head * group + g * q_heads ...`` (blocks of ``q_heads``)."""
+    if group_size % q_heads:
+        raise ValueError(f"q_heads: expected a divisor of the group size {group_size}, got {q_heads}")
+    blocks_per_kv_head = group_size // q_heads
 
     def q_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):
-        return (b, kh * group_size + g, visited_block(sched, index_ref, b, j, t), 0)
+        return (b, kh * blocks_per_kv_head + g, visited_block(sched, index_ref, b, j, t), 0)
 
     def q_row_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):  # [batch, heads, 1 or 2, q_len]
-        return (b, kh * group_size + g, 0, visited_block(sched, index_ref, b, j, t))
+        return (b, kh * blocks_per_kv_head + g, 0, visited_block(sched, index_ref, b, j, t))
 
     def kv_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):
         return (b, kh, j, 0)
@@ -240,15 +287,21 @@ def dkv_index_maps(sched: Schedule, group_size: int):
 class ScheduleCounts:
     """Blocks a pass computes and fetches, counted from the kernel's own schedule and index maps.
 
-    Per-q-block arrays are ``[batch, num_q_heads, num_q_blocks]`` (forward/dQ) or per kv block
-    ``[batch, num_kv_heads, num_kv_blocks]`` (dK/dV). ``fetched`` counts the grid steps at which
-    the streamed operand's block index differs from the previous step's (the pipeline issues a
-    DMA exactly then); ``unmasked_*`` are the same counts for the same grid shape with no mask.
+    ``computed`` counts score tiles, one per query head: ``[batch, num_q_heads, num_q_blocks]``
+    (forward/dQ) or per kv block ``[batch, num_kv_heads, num_kv_blocks]`` (dK/dV, summed over the
+    group). ``fetched`` counts the grid steps at which the streamed operand's block index differs
+    from the previous step's (the pipeline issues a DMA exactly then), per head block of the grid:
+    ``[batch, num_q_heads // q_heads, num_q_blocks]`` (forward/dQ: one K/V fetch serves the
+    ``q_heads`` query heads of a step) or ``[batch, num_kv_heads, num_kv_blocks]`` (dK/dV).
+    ``grid`` is the pass's grid; ``unmasked_*`` are the same counts for the same grid shape with no
+    mask.
     """
 
     pass_name: str
     block_q: int
     block_kv: int
+    q_heads: int  # query heads one grid step serves
+    grid: tuple[int, ...]
     num_q_blocks: int
     num_kv_blocks: int
     steps: int
@@ -265,6 +318,11 @@ class ScheduleCounts:
     @property
     def total_fetched(self) -> int:
         return int(self.fetched.sum())
+
+    @property
+    def grid_steps(self) -> int:
+        """Steps of the pass's grid (each one pipeline iteration, computing or idle)."""
+        return int(np.prod(self.grid))
 
     @property
     def computed_fraction(self) -> float:
@@ -333,26 +391,30 @@ def kv_schedule(spec, block_sizes=None, segment_ids=None, pass_name: str = "forw
         if s < count[r, o]:
             visit[r, o, index[r, o, s]] = PARTIAL if needs[r, o, s] else FULL
     if pass_name == "dkv":
-        heads, index_maps, streamed = spec.num_kv_heads, dkv_index_maps, "q"
-        grid = (spec.batch, heads, sched.num_outer, spec.group_size, sched.steps)
+        q_heads, heads = q_heads_per_step(spec, "dkv", bq, bk), spec.num_kv_heads
+        maps = lambda s: dkv_index_maps(s, spec.group_size, q_heads)["q"]
+        grid = (spec.batch, heads, sched.num_outer, spec.group_size // q_heads, sched.steps)
         inner_per_outer = spec.group_size * sched.num_inner
     else:
-        heads, index_maps, streamed = spec.num_q_heads, forward_index_maps, "kv"
+        q_heads = q_heads_per_step(spec, "forward" if pass_name == "forward" else "dq", bq, bk)
+        heads = spec.num_q_heads // q_heads  # head blocks
+        maps = lambda s: forward_index_maps(s, spec.group_size, q_heads)["kv"]
         grid = (spec.batch, heads, sched.num_outer, sched.steps)
-        inner_per_outer = sched.num_inner
-    fetch = walk_grid(index_maps(sched, spec.group_size)[streamed], grid, prefetch)
+        inner_per_outer = q_heads * sched.num_inner
+    fetch = walk_grid(maps(sched), grid, prefetch)
     fetched = fetch.reshape(spec.batch, heads, sched.num_outer, -1).sum(-1)
     per_row = count[[sched.row(b) for b in range(spec.batch)]]  # [batch, num_outer]
-    computed = np.broadcast_to(per_row[:, None, :], (spec.batch, heads, sched.num_outer))
+    tile_heads = spec.num_q_heads if pass_name != "dkv" else heads
+    computed = np.broadcast_to(per_row[:, None, :], (spec.batch, tile_heads, sched.num_outer))
     if pass_name == "dkv":
         computed = computed * spec.group_size
     unmasked = build_schedule(np.full((sched.num_outer, sched.num_inner), FULL, np.int8))
     unmasked_grid = grid[:-1] + (unmasked.steps,)
-    unmasked_fetched = int(walk_grid(index_maps(unmasked, spec.group_size)[streamed], unmasked_grid,
+    unmasked_fetched = int(walk_grid(maps(unmasked), unmasked_grid,
                                      tuple(np.asarray(a) for a in unmasked.arrays())).sum())
     return ScheduleCounts(
-        pass_name=pass_name, block_q=bq, block_kv=bk, num_q_blocks=nq, num_kv_blocks=nk, steps=sched.steps,
-        computed=np.array(computed), fetched=fetched,
+        pass_name=pass_name, block_q=bq, block_kv=bk, q_heads=q_heads, grid=grid, num_q_blocks=nq,
+        num_kv_blocks=nk, steps=sched.steps, computed=np.array(computed), fetched=fetched,
         unmasked_computed=spec.batch * heads * sched.num_outer * inner_per_outer,
         unmasked_fetched=unmasked_fetched, visit_map=visit)
 
@@ -375,7 +437,10 @@ def _step_matmuls(jaxpr) -> int:
     The kernels' ``pl.when`` blocks (``cond``) are alternatives: initialise, the masked tile, the
     unmasked tile (:func:`scheduled_step` guards these two with exclusive conditions), finish. A step
     that computes a tile runs one of the two tile blocks, so the blocks that hold matmuls must hold the
-    same number, which counts once; a ``cond`` with two live branches counts its costliest."""
+    same number, which counts once; a ``cond`` with two live branches counts its costliest. A step
+    serving several query heads loops over them (:func:`head_loop`, a ``scan``, the only loop a
+    kernel may hold): its body is one head's tile and counts once, so the count is per tile whatever
+    the heads per step."""
     outside, alternatives = 0, set()
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
@@ -384,7 +449,9 @@ def _step_matmuls(jaxpr) -> int:
             n = max(_step_matmuls(branch) for branch in _sub_jaxprs(eqn.params["branches"]))
             if n:
                 alternatives.add(n)
-        elif eqn.primitive.name in ("scan", "while"):
+        elif eqn.primitive.name == "scan":  # the kernels' one loop: over a step's query heads
+            outside += _step_matmuls(eqn.params["jaxpr"].jaxpr)
+        elif eqn.primitive.name == "while":
             raise NotImplementedError(f"a loop ({eqn.primitive.name}) inside a kernel: count it by hand")
         else:
             outside += sum(_step_matmuls(sub) for value in eqn.params.values() for sub in _sub_jaxprs(value))
