@@ -1,5 +1,6 @@
 """GQA through the Pallas kernels compiled for v5e (compiled, not run): a 16-query/2-kv-head problem at
-4096 tokens compiles in reasonable time with head-block grids, and the copies left outside the kernels
+4096 tokens compiles with head-block grids (its compile time is in the stage's --durations, not
+asserted: a timed test would measure the machine), and the copies left outside the kernels
 are the ones counted here (the wrapper's layout copies of Q, K, V, O, dO, dQ, dK, dV and one of the
 logsumexp), so that a change that adds one fails.
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import os
-import time
 
 import pytest
 
@@ -47,17 +47,12 @@ def _compile(mode):
     attend = lambda q, k, v: tpuattn.attention(q, k, v, causal=True, impl="pallas")
     loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
     fn = attend if mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
-    start = time.perf_counter()
-    compiled = aot.compile_for("v5e", fn, [q, kv, kv])
-    return compiled, time.perf_counter() - start
+    return aot.compile_for("v5e", fn, [q, kv, kv])
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 def test_gqa_16_on_2_compiles_for_v5e_with_the_counted_copies(mode):
-    compiled, seconds = _compile(mode)
-    # Head blocks of 8 query heads: 7 s (fwd) and 11 to 18 s (fwd+bwd) on a shared 2-core machine.
-    assert seconds < 30, f"{mode}: compiled in {seconds:.1f} s"
-    text = compiled.as_text()
+    text = _compile(mode).as_text()
     # The Mosaic kernels: forward; row sums, dQ, dK/dV (JAX 0.7 does not name them in the HLO).
     kernels = text.count('custom_call_target="tpu_custom_call"')
     assert kernels == (1 if mode == "fwd" else 4), kernels
