@@ -247,7 +247,8 @@ def test_pallas_reads_kv_once_per_gqa_group():
     gqa, gqa_cost = kv_lines("pallas", 16)
     mha, _ = kv_lines("pallas", 2)
     assert len(gqa) == 3 and all("of a GQA group" in name for name in gqa)  # forward, row sums, dQ
-    assert gqa == mha
+    assert list(gqa.values()) == list(mha.values())  # the bytes of 2 on 2 (whose lines say no group)
+    assert not any("GQA" in name for name in mha)
     assert gqa_cost.vmem_bytes == blocks.dq_vmem_bytes(512, 512, 128, 2, 8)
     splash16, _ = kv_lines("splash", 16, "fwd")
     splash2, _ = kv_lines("splash", 2, "fwd")

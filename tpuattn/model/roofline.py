@@ -440,7 +440,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     # Forward: Q_i read once per q block (it stays in VMEM over the kv loop), K_j and V_j read
     # for every visited tile (of a kv head or a q head, as above), O_i and the f32 logsumexp
     # written once.
-    per_group = " of a GQA group" if params.kv_once_per_group else ""
+    per_group = " of a GQA group" if params.kv_once_per_group and spec.group_size > 1 else ""
     breakdown = [
         ("read Q (once per q block)", heads * nq * q_tile),
         (f"read K, V (once per visited tile{per_group})", kv_heads * visited * 2 * kv_tile),
