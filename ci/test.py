@@ -14,7 +14,7 @@ at once. ``--quick`` runs ``ruff``, ``pairs`` and:
                       compiled for every chip the TPU compiler knows, the package's layering. Never part
                       of the full run (which runs all of those anyway).
 
-The full run's stages:
+The full run's stages, cheapest first:
 
 * ``ruff``            ``ruff check`` over tpuattn, tests, the notebook twins and ci
 * ``pairs``           each ``notebooks/NN_*.ipynb`` has a ``.py`` twin equal to ``jupytext --to py:percent``
@@ -55,12 +55,11 @@ The full run's stages:
 * ``lab``             ``ci/lab_check.py``: notebook 03 run in JupyterLab in chromium, a slider of its grid
                       widget moved and the figure seen to change (screenshots before and after)
 
-After ``ruff`` and ``pairs``, the stages are one pool of jobs run two at a time (one per core), the
-longest first by its seconds in an earlier run: each pytest stage is one job (one process), each
-notebook of ``nbval``, ``papermill-jax0.7.2``, ``releases`` and ``dry-run`` one job, the book's build
-and browser check one, the lab one; their table rows say they ran side by side. The lab starts once no
-run of notebook 03 and no book build is left. A pytest stage run alone (``--only unit-jax0.10.2``)
-takes both cores: two pytest-xdist workers.
+From ``nbval`` on, the stages are one pool of jobs run two at a time, longest first by their seconds
+in an earlier run (each notebook's kernel, each pytest, the book's build and browser check, the lab
+compute on about one core); their table rows say they ran side by side. The lab starts once no run of
+notebook 03 and no book build is left. The pytest stages before them run two workers each (``-n 2
+--dist worksteal``).
 
 The book and lab stages need Debian's chromium (``/usr/bin/chromium``): as root the command installs
 it (``apt-get install -y chromium chromium-driver``, in CI or not); as another user those two stages
@@ -193,36 +192,31 @@ def stage_pairs() -> str:
     return "ok" if not problems else f"FAILED ({len(problems)} problem(s))"
 
 
-def xdist(workers: int) -> list[str]:
-    """pytest-xdist's arguments for a pytest with ``workers`` cores: one process when the pool gives it
-    one core, else that many workers taking queued tests from each other (``--dist worksteal``: the
-    stage does not end on one worker's backlog of slow tests while another core idles)."""
-    return ["-n", "0"] if workers == 1 else ["-n", str(workers), "--dist", "worksteal"]
+def stage_unit(env: _venv.Env) -> str:
+    # --durations: the slowest tests are named in every CI log, so the 25-minute budget can be watched.
+    # -n 2: two pytest-xdist workers, one per core. Most of the time is XLA compiling (one thread
+    # each), so two workers come close to halving the stage. The compile tests have their own stage.
+    # --dist worksteal: a worker that runs out of tests takes queued ones from the other, so the
+    # stage does not end on one worker's backlog of slow tests while the other core idles.
+    # XLA_FLAGS (UNIT_XLA_FLAGS): LLVM's optimisation off for the CPU programs the tests compile.
+    return pytest_result(run([str(env.python), *PYTEST, "--durations=15",
+                              "-n", "2", "--dist", "worksteal", f"--ignore-glob={COMPILE_TESTS}", "tests"],
+                             env={**_venv.CPU_WITH_TPU_COMPILER, "XLA_FLAGS": UNIT_XLA_FLAGS}))
 
 
-def unit_job(stage: str, env: _venv.Env, workers: int) -> Job:
-    # --durations: the slowest tests are named in every CI log, so the budget can be watched. Most of
-    # the time is XLA compiling on one thread. The compile tests have their own stage. XLA_FLAGS
-    # (UNIT_XLA_FLAGS): LLVM's optimisation off for the CPU programs the tests compile.
-    cmd = [str(env.python), *PYTEST, "-q", "--durations=15", *xdist(workers),
-           f"--ignore-glob={COMPILE_TESTS}", "tests"]
-    return command_job(stage, stage, cmd, {**os.environ, **_venv.CPU_WITH_TPU_COMPILER,
-                                           "XLA_FLAGS": UNIT_XLA_FLAGS})
-
-
-def compile_job(stage: str, env: _venv.Env, workers: int) -> Job:
+def stage_compile(env: _venv.Env) -> str:
+    variables = {**_venv.CPU_WITH_TPU_COMPILER, "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
     files = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(COMPILE_TESTS))
-    cmd = [str(env.python), *PYTEST, "-q", "--durations=10", *xdist(workers), *files]
-    return command_job(stage, stage, cmd, {**os.environ, **_venv.CPU_WITH_TPU_COMPILER,
-                                           "TPUATTN_REQUIRE_TPU_COMPILER": "1"})
+    return pytest_result(run([str(env.python), *PYTEST, "--durations=10", "-n", "2", "--dist", "worksteal",
+                              *files], env=variables))
 
 
 def stage_quick() -> str:
     # The edit loop's tier (tests/conftest.py marks it): the compile tests need the TPU compiler, as in
     # the compile stage, so a missing libtpu fails instead of skipping.
     variables = {**_venv.CPU_WITH_TPU_COMPILER, "TPUATTN_REQUIRE_TPU_COMPILER": "1"}
-    return pytest_result(run([str(_venv.MAIN.python), *PYTEST, "--durations=10", *xdist(2), "-m", "quick",
-                              *QUICK_FILES], env=variables))
+    return pytest_result(run([str(_venv.MAIN.python), *PYTEST, "--durations=10", "-n", "2", "--dist",
+                              "worksteal", "-m", "quick", *QUICK_FILES], env=variables))
 
 
 @dataclasses.dataclass
@@ -243,15 +237,13 @@ class Job:
             self.weight = EXPECTED_SECONDS.get(self.label, DEFAULT_SECONDS)
 
 
-# Each pooled job's seconds, from the clean-clone run of the full command on 2 cores of 2026-12-05 (the
-# pytest stages then ran two workers each: twice their seconds, less the compile tests shortened since;
-# nbval's notebooks from their papermill times on JAX 0.7.2, more for the memory measurements and the
-# compiles only nbval runs). Only the order in which jobs start depends on them: the longest first, so
-# that no long job starts last and leaves one core idle at the end (in that run notebook 10 started
-# last, ordered by its file size, and ran alone for its final 100 s). A job not listed counts as
+# Each pooled job's seconds in the clean-clone run of the full command on 2 cores (2026-12-05, before
+# nbval and lab joined the pool; nbval's notebooks from their papermill times on JAX 0.7.2, plus the
+# memory measurements that only nbval runs). Only the order in which the jobs start depends on them:
+# the longest first, so that no long job starts last and leaves one core idle at the end (notebook 10
+# started last by its file size and ran alone for its final 100 s). A job not listed counts as
 # DEFAULT_SECONDS.
 EXPECTED_SECONDS = {
-    "compile": 640, "unit-jax0.10.2": 560, "unit-jax0.7.2": 520, "compile-jax0.7.2": 330,
     "book": 103, "lab": 57,
     "nbval 10_in_a_model": 250, "nbval 05_measure": 60, "nbval 03_pallas_kernel": 55,
     "nbval 04_native_attention": 45, "nbval 01_naive_attention": 30, "nbval 02_online_softmax": 25,
@@ -398,9 +390,7 @@ def action_job(stage: str, action, **fields) -> Job:
     return Job(stage, stage, run, **fields)
 
 
-PYTEST_STAGES = {"unit-jax0.10.2": (unit_job, _venv.MAIN), "unit-jax0.7.2": (unit_job, _venv.JAX_0_7),
-                 "compile": (compile_job, _venv.MAIN), "compile-jax0.7.2": (compile_job, _venv.JAX_0_7)}
-POOLED = (*PYTEST_STAGES, "nbval", "papermill-jax0.7.2", "releases", "dry-run", "book", "lab")
+POOLED = ("nbval", "papermill-jax0.7.2", "releases", "dry-run", "book", "lab")
 # The lab runs JupyterLab on notebook 03 and writes its screenshots beside the book's: it starts once no
 # run of notebook 03 (with the lab's kernel running, papermill's kernel once waited the whole 300 s cell
 # timeout on 03's grid widget, in a clean clone) and no book build is left.
@@ -457,9 +447,7 @@ def pooled(stages: list[str], actions: dict) -> tuple[list[tuple[str, float, str
     its last job's end (marked as run beside the others); the total is the wall clock."""
     wanted = [stage for stage in POOLED if stage in stages]
     with tempfile.TemporaryDirectory(prefix="tpuattn-pool-") as tmp:
-        # A pytest stage alone takes both cores (its own two workers); beside other jobs it is one job.
-        workers = 2 if wanted in ([stage] for stage in PYTEST_STAGES) else 1
-        jobs = [make(stage, env, workers) for stage, (make, env) in PYTEST_STAGES.items() if stage in wanted]
+        jobs = []
         if "nbval" in wanted:
             jobs += nbval_jobs(Path(tmp))
         if "book" in wanted:
@@ -609,7 +597,10 @@ def main() -> int:
     setup(stages)
     _venv.reexec_in(_venv.MAIN)
     rows = setup_rows()
-    actions = {"ruff": stage_ruff, "pairs": stage_pairs,
+    actions = {"ruff": stage_ruff, "pairs": stage_pairs, "unit-jax0.10.2": lambda: stage_unit(_venv.MAIN),
+               "unit-jax0.7.2": lambda: stage_unit(_venv.JAX_0_7),
+               "compile": lambda: stage_compile(_venv.MAIN),
+               "compile-jax0.7.2": lambda: stage_compile(_venv.JAX_0_7),
                "book": stage_book, "lab": stage_lab, "quick": stage_quick}
     pool_stages = [stage for stage in POOLED if stage in stages]
     jobs: list[Job] = []
