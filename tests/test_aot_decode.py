@@ -210,8 +210,9 @@ def test_pallas_compiles_large_pages_of_wide_heads(dtype, page, head_dim, monkey
     assert facts["custom_calls"] >= 1
     if dtype != "float32":
         return
-    # Without the raised limit the compiler refuses the same program: the shape needs it (checked for
+    # Without the raised limit the compiler refuses the same program (libtpu 0.0.42 names it
+    # CompileTimeScopedVmemOom, 0.0.23 does not; both say which memory): the shape needs it (checked for
     # one of the two: a refused compile costs as much as an accepted one).
     monkeypatch.setattr(decode_kernel, "vmem_limit_bytes", lambda *args: None)
-    with pytest.raises(Exception, match="CompileTimeScopedVmemOom"):
+    with pytest.raises(Exception, match="memory space vmem"):
         aot.compile_for("v5e", lambda *a: fn(*a), args)
