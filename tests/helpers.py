@@ -20,3 +20,20 @@ def assert_grads_close(got, want, *, tol, finite=False):
         if finite:
             assert np.all(np.isfinite(got_grad)), f"d{name} has non-finite values"
         np.testing.assert_allclose(got_grad, want_grad, atol=tol, rtol=tol, err_msg=f"d{name}")
+
+
+def require_tpu_compiler() -> None:
+    """At the top of a compile-test module: skip it without libtpu, unless the test command's compile
+    stage asks for the compiler (``TPUATTN_REQUIRE_TPU_COMPILER``), where a missing libtpu is an error."""
+    import os
+
+    import pytest
+
+    from tpuattn.measure import aot
+
+    if aot.tpu_available():
+        return
+    if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):
+        raise RuntimeError('libtpu is not installed: the compile stage needs pip install "jax[tpu]"')
+    pytest.skip("libtpu not installed (the test command's compile stage installs it)",
+                allow_module_level=True)

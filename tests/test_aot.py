@@ -8,19 +8,14 @@ instead of skipping. An implementation must compile whatever it claims to suppor
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from helpers import require_tpu_compiler
 
 from tpuattn import chips
 from tpuattn.measure import aot
 from tpuattn.model import roofline
 
-if not aot.tpu_available():
-    if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):
-        raise RuntimeError('libtpu is not installed: the compile stage needs pip install "jax[tpu]"')
-    pytest.skip("libtpu not installed (the test command's compile stage installs it)",
-                allow_module_level=True)
+require_tpu_compiler()
 
 IMPLS = ("reference", "xla", "blockwise", "pallas", "splash")
 # The model, the block table and the compile report are held to the compiler they were made with

@@ -11,12 +11,12 @@ array outside it, and accesses at most 1.25x the roofline's bytes.
 from __future__ import annotations
 
 import math
-import os
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import require_tpu_compiler
 
 from tpuattn import decode
 from tpuattn.decode import kernel as decode_kernel
@@ -24,10 +24,7 @@ from tpuattn.errors import UnsupportedInput
 from tpuattn.measure import aot
 from tpuattn.model import decode as roofline
 
-if not aot.tpu_available():
-    if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):
-        raise RuntimeError('libtpu is not installed: the compile stage needs pip install "jax[tpu]"')
-    pytest.skip("libtpu not installed", allow_module_level=True)
+require_tpu_compiler()
 
 CHIPS = ("v5e", "v6e")
 IMPLS = decode.known_implementations()

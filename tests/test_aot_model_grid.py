@@ -11,18 +11,14 @@ Each cell compiles once per test process (:func:`compiled`); the whole grid take
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
+from helpers import require_tpu_compiler
 
 from tpuattn.measure import aot
 from tpuattn.model import roofline
 
-if not aot.tpu_available():
-    if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):
-        raise RuntimeError('libtpu is not installed: the compile stage needs pip install "jax[tpu]"')
-    pytest.skip("libtpu not installed (the test command's compile stage installs it)",
-                allow_module_level=True)
+require_tpu_compiler()
 
 PINNED_LIBTPU = aot.committed_report()["libtpu_version"]
 pytestmark = pytest.mark.skipif(aot._versions()[1] != PINNED_LIBTPU,

@@ -6,17 +6,12 @@ Needs libtpu; the test command's ``compile`` stage runs it with ``TPUATTN_REQUIR
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from helpers import require_tpu_compiler
 
 from tpuattn.measure import aot
 
-if not aot.tpu_available():
-    if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):
-        raise RuntimeError('libtpu is not installed: the compile stage needs pip install "jax[tpu]"')
-    pytest.skip("libtpu not installed (the test command's compile stage installs it)",
-                allow_module_level=True)
+require_tpu_compiler()
 
 PROBLEMS = {
     "bf16-causal-gqa-200": aot.Problem(seq_len=200, heads=4, kv_heads=2, head_dim=128, dtype="bfloat16"),

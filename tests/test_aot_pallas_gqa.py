@@ -10,17 +10,13 @@ Needs libtpu; the test command's ``compile`` stage runs it with ``TPUATTN_REQUIR
 from __future__ import annotations
 
 import collections
-import os
 
 import pytest
+from helpers import require_tpu_compiler
 
 from tpuattn.measure import aot
 
-if not aot.tpu_available():
-    if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):
-        raise RuntimeError('libtpu is not installed: the compile stage needs pip install "jax[tpu]"')
-    pytest.skip("libtpu not installed (the test command's compile stage installs it)",
-                allow_module_level=True)
+require_tpu_compiler()
 
 T, Q_HEADS, KV_HEADS, D = 4096, 16, 2, 128
 Q_SHAPE, KV_SHAPE = f"bf16[1,{T},{Q_HEADS},{D}]", f"bf16[1,{T},{KV_HEADS},{D}]"

@@ -4,17 +4,12 @@ Mosaic dumps of Pallas kernels compiled for v5e in a child process (compiled, no
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from helpers import require_tpu_compiler
 
-from tpuattn.measure import aot, static
+from tpuattn.measure import static
 
-if not aot.tpu_available():
-    if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):
-        raise RuntimeError('libtpu is not installed: the compile stage needs pip install "jax[tpu]"')
-    pytest.skip("libtpu not installed (the test command's compile stage installs it)",
-                allow_module_level=True)
+require_tpu_compiler()
 
 # One 128x128 bf16 block of Q times one of K transposed, per grid step of a 4x4 grid.
 SCORES = """

@@ -16,14 +16,9 @@ import sys
 import textwrap
 
 import pytest
+from helpers import require_tpu_compiler
 
-from tpuattn.measure import aot
-
-if not aot.tpu_available():
-    if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):
-        raise RuntimeError('libtpu is not installed: the compile stage needs pip install "jax[tpu]"')
-    pytest.skip("libtpu not installed (the test command's compile stage installs it)",
-                allow_module_level=True)
+require_tpu_compiler()
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -6,19 +6,14 @@ kernel."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from helpers import require_tpu_compiler
 
 import tpuattn
 from tpuattn import chips
 from tpuattn.measure import aot
 
-if not aot.tpu_available():
-    if os.environ.get("TPUATTN_REQUIRE_TPU_COMPILER"):
-        raise RuntimeError('libtpu is not installed: the compile stage needs pip install "jax[tpu]"')
-    pytest.skip("libtpu not installed (the test command's compile stage installs it)",
-                allow_module_level=True)
+require_tpu_compiler()
 if "tokamax" not in tpuattn.implementations():
     pytest.skip(f"tokamax is unavailable here: {tpuattn.api.REGISTRY.unavailable_reason('tokamax')}",
                 allow_module_level=True)
