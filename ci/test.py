@@ -110,7 +110,7 @@ QUICK_FILES = ("tests/test_architecture.py", "tests/test_oracle_suite.py", "test
 # level, 41 s without). nbval keeps XLA's defaults: its printed numbers are the committed ones. The
 # compile stages do not set it either (the TPU compiler's programs are what they check).
 FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-UNCOMPARED = {"XLA_FLAGS": FAST_XLA_FLAGS}  # the environment of the runs above whose outputs nobody reads
+FAST_CPU_COMPILE = {"XLA_FLAGS": FAST_XLA_FLAGS}  # the environment of the unit stages and the runs above
 COMPILE_TESTS = "tests/test_aot*.py"  # the compile stages' files; the unit stages leave them out
 # Every pytest but nbval's: without nbval's plugin (installed in .venv, it loads in every pytest
 # process otherwise and imports nbformat's jsonschema, whose IRI checker builds a grammar: about 8 s
@@ -206,7 +206,7 @@ def stage_unit(env: _venv.Env) -> str:
     # XLA_FLAGS (FAST_XLA_FLAGS): LLVM's optimisation off for the CPU programs the tests compile.
     return pytest_result(run([str(env.python), *PYTEST, "--durations=15",
                               "-n", "2", "--dist", "worksteal", f"--ignore-glob={COMPILE_TESTS}", "tests"],
-                             env={**_venv.CPU_WITH_TPU_COMPILER, **UNCOMPARED}))
+                             env={**_venv.CPU_WITH_TPU_COMPILER, **FAST_CPU_COMPILE}))
 
 
 def stage_compile(env: _venv.Env) -> str:
@@ -296,9 +296,9 @@ def notebook_job(stage: str, release: str, stem: str, tmp: Path, parameters: dic
                  extra_env: dict | None = None, label: str | None = None) -> Job:
     """One notebook executed top to bottom with papermill on ``release``'s kernel (``ci/notebooks.py
     --jax``); the executed copy and figures go to ``tmp`` and nobody compares them (so
-    :data:`UNCOMPARED`'s flags); ``extra_env`` is added to its kernel's."""
+    :data:`FAST_CPU_COMPILE`); ``extra_env`` is added to its kernel's."""
     env = {**os.environ, "TPUATTN_FIGURES_DIR": str(tmp / "figures"), **_venv.CPU_WITH_TPU_COMPILER,
-           **UNCOMPARED, **(extra_env or {})}
+           **FAST_CPU_COMPILE, **(extra_env or {})}
     unknown = sorted(set(parameters) - notebook_parameters(stem))
     if unknown:  # papermill only warns, and the notebook would run at its own sizes
         raise ValueError(f"parameters {unknown} are not assigned one per line in {stem}'s parameters cell "
@@ -349,7 +349,7 @@ def release_jobs(tmp: Path) -> list[Job]:
     for release in MIDDLE_RELEASES:
         env = _venv.ENVS[release]
         jobs.append(pytest_job("releases", f"{release} oracle", env,
-                               ["-m", "quick", *RELEASE_ORACLE_FILES], {**compiler, **UNCOMPARED}))
+                               ["-m", "quick", *RELEASE_ORACLE_FILES], {**compiler, **FAST_CPU_COMPILE}))
         jobs.append(pytest_job("releases", f"{release} compile", env,
                                ["-m", "quick", *RELEASE_COMPILE_FILES], compiler))
         for p in notebook_files(".ipynb"):
