@@ -164,12 +164,15 @@ def test_kernel_index_maps_fetch_what_the_schedule_counts(monkeypatch):
     grid_spec, args = captured["grid_spec"], captured["args"]
     prefetch = tuple(np.asarray(a) for a in args[: grid_spec.num_scalar_prefetch])
     q_arg, k_arg = args[grid_spec.num_scalar_prefetch:][:2]
-    assert k_arg.shape == (1, kv_heads, seq, 128)  # GQA: K is not repeated per query head
-    assert q_arg.shape == (1, heads, seq, 128)
+    # The contract's arrays as the free view [batch, seq, heads * head_dim] (head_dim 128): no copy,
+    # and K is not repeated per query head.
+    assert k_arg.shape == (1, seq, kv_heads * 128)
+    assert q_arg.shape == (1, seq, heads * 128)
     grid = tuple(grid_spec.grid)
     nq = seq // 128
     assert grid == (1, kv_heads, nq, nq)  # one grid step serves the query heads of a GQA group
-    assert grid_spec.in_specs[0].block_shape == (None, heads // kv_heads, 128, 128)
+    # A step's query block: the group's heads side by side, each a 128-lane column block.
+    assert grid_spec.in_specs[0].block_shape == (None, 128, heads // kv_heads * 128)
     k_spec = grid_spec.in_specs[1]
     fetches = walk_grid(k_spec.index_map, grid, prefetch)
     per_head = nq * (nq + 1) // 2 - 1  # q block 1 reuses kv block 0, resident from q block 0

@@ -55,16 +55,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tpuattn._checks import round_up
 from tpuattn.numerics import matmul_precision, pad_to_multiple
 from tpuattn.pallas import compat, plan
-from tpuattn.pallas.layout import (
-    LANES,
-    NT_DIMS,
-    SUBLANES,
-    from_kernel_layout,
-    padded_head_dim,
-    segment_layouts,
-    tile_visibility,
-    to_kernel_layout,
-)
+from tpuattn.pallas.layout import LANES, NT_DIMS, SUBLANES, Layout, segment_layouts, tile_visibility
 
 
 def _softcap_grad(s_scaled, softcap):
@@ -77,7 +68,7 @@ def _softcap_grad(s_scaled, softcap):
 
 # --------------------------------------------------------------------------- row sums and dQ
 def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, has_segments, precision,
-               row_sums_only):
+               layout, row_sums_only):
     """Pass 1 (``row_sums_only``: writes rowsum(P * dP)) or pass 2 (reads it as delta, writes dQ)."""
     prefetch, inputs, (q_seg_ref, kv_seg_ref), (out_ref, acc_ref) = plan.split_refs(
         refs, 5 if row_sums_only else 6, has_segments)
@@ -97,7 +88,7 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, h
             keep = tile_visibility(mask, (block_q, block_kv), i * block_q, kv_block * block_kv, *segments)
 
         def head(h):
-            q, do, lse = q_ref[h], do_ref[h], lse_ref[h]
+            q, do, lse = q_ref[layout.head(h)], do_ref[layout.head(h)], lse_ref[h]
             s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
             s, dcap = _softcap_grad(s * scale, softcap)
             # logsumexp = m + log l, lanes 0 and 1 of a [block_q, 128] tile.
@@ -120,12 +111,16 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, h
 
     @pl.when(step == sched.steps - 1)
     def _finish():
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+        if row_sums_only:  # delta, [q_heads, block_q, 128] like the scratch
+            out_ref[...] = acc_ref[...]
+            return
+        for h in range(q_heads):
+            out_ref[layout.head(h)] = acc_ref[h].astype(out_ref.dtype)
 
 
 # --------------------------------------------------------------------------- dK/dV
 def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, head_blocks, q_heads, has_segments,
-                precision):
+                precision, layout):
     prefetch, inputs, (q_seg_ref, kv_seg_ref), (dk_ref, dv_ref, dk_acc, dv_acc) = plan.split_refs(
         refs, 6, has_segments)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
@@ -145,7 +140,7 @@ def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, head_bloc
                                    transposed=True)
 
         def head(h):
-            q, do, lse = q_ref[h], do_ref[h], lse_ref[h]
+            q, do, lse = q_ref[layout.head(h)], do_ref[layout.head(h)], lse_ref[h]
             # Transposed scores [block_kv, block_q]: logsumexp and delta are rows [1, block_q].
             st = jax.lax.dot_general(k, q, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
             st, dcap = _softcap_grad(st * scale, softcap)
@@ -180,8 +175,9 @@ class _Problem:
         self.spec, self.interpret = spec, interpret
         self.bq, self.bk = bb.block_q, bb.block_kv
         self.tq, self.tk = round_up(spec.q_len, self.bq), round_up(spec.kv_len, self.bk)
-        self.d = padded_head_dim(spec.head_dim)
-        self.qp, self.kp, self.vp, self.dop = (to_kernel_layout(x, block) for x, block in
+        self.layout = Layout.for_head_dim(spec.head_dim)
+        self.d = self.layout.head_dim
+        self.qp, self.kp, self.vp, self.dop = (self.layout.operand(x, block) for x, block in
                                                ((q, self.bq), (k, self.bk), (v, self.bk), (d_out, self.bq)))
         # Padded query rows: logsumexp 0 and dO 0, so their P is finite and their dS is 0.
         self.lse = pad_to_multiple(lse, 2, self.bq)  # [b, h, tq, 2]
@@ -189,7 +185,7 @@ class _Problem:
         self.pos_map = plan.position_map(spec.mask, self.bq, self.bk, self.tq, self.tk)
         self.kernel_args = dict(mask=spec.mask, scale=spec.scale, softcap=spec.softcap, block_q=self.bq,
                                 block_kv=self.bk, has_segments=self.segs is not None,
-                                precision=matmul_precision(q.dtype))
+                                precision=matmul_precision(q.dtype), layout=self.layout)
 
     def overlap(self, transpose=False):
         return plan.schedule_overlap(self.segs, self.bq, self.bk, self.interpret, transpose=transpose)
@@ -197,26 +193,28 @@ class _Problem:
 
 def _q_major_pass(pb: _Problem, delta_col=None):
     """Passes 1 and 2 on the forward's grid: rowsum(P * dP) when ``delta_col`` is None, else dQ."""
-    spec, bq, bk, d = pb.spec, pb.bq, pb.bk, pb.d
+    spec, bq, bk, layout = pb.spec, pb.bq, pb.bk, pb.layout
     row_sums_only = delta_col is None
     sched = plan.build_schedule(pb.pos_map, pb.overlap())
     hq = plan.q_heads_per_step(spec, "dq", bq, bk)
     maps = plan.forward_index_maps(sched, spec.group_size, hq)
     lse_col = pad_to_multiple(pb.lse, 3, LANES)  # [b, h, tq, 128]: lanes 0, 1 = m, log l
-    in_specs = [pl.BlockSpec((None, hq, bq, d), maps["q"]),
-                pl.BlockSpec((None, None, bk, d), maps["kv"]),
-                pl.BlockSpec((None, None, bk, d), maps["kv"]),
-                pl.BlockSpec((None, hq, bq, d), maps["q"]),
-                pl.BlockSpec((None, hq, bq, LANES), maps["q"])]
+    q_spec = pl.BlockSpec(layout.block(hq, bq), layout.index_map(maps["q"]))
+    kv_spec = pl.BlockSpec(layout.block(None, bk), layout.index_map(maps["kv"]))
+    lanes_spec = pl.BlockSpec((None, hq, bq, LANES), maps["q"])  # [b, h, tq, 128] per-row floats
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, lanes_spec]
     operands = [pb.qp, pb.kp, pb.vp, pb.dop, lse_col]
     if not row_sums_only:
-        in_specs.append(pl.BlockSpec((None, hq, bq, LANES), maps["q"]))
+        in_specs.append(lanes_spec)
         operands.append(delta_col)
     if pb.segs is not None:
         in_specs += [pl.BlockSpec((None, bq, LANES), maps["q_segment"]),
                      pl.BlockSpec((None, SUBLANES, bk), maps["kv_segment"])]
         operands += [pb.segs["q_col"], pb.segs["kv_row"]]
-    width, dtype = (LANES, jnp.float32) if row_sums_only else (d, pb.qp.dtype)
+    if row_sums_only:  # delta, lane-replicated
+        out_spec, out_shape, width = lanes_spec, (spec.batch, spec.num_q_heads, pb.tq, LANES), LANES
+    else:
+        out_spec, out_shape, width = q_spec, layout.shape(spec.batch, spec.num_q_heads, pb.tq), pb.d
     vmem_limit = None if pb.interpret else plan.head_block_vmem_limit(spec, "dq", bq, bk, hq)
     return pl.pallas_call(
         functools.partial(_dq_kernel, sched=sched, row_sums_only=row_sums_only, q_heads=hq,
@@ -224,9 +222,9 @@ def _q_major_pass(pb: _Problem, delta_col=None):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(spec.batch, spec.num_q_heads // hq, pb.tq // bq, sched.steps),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, hq, bq, width), maps["q"]),
+            out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((hq, bq, width), jnp.float32)]),
-        out_shape=compat.out_struct((spec.batch, spec.num_q_heads, pb.tq, width), dtype, pb.qp),
+        out_shape=compat.out_struct(out_shape, jnp.float32 if row_sums_only else pb.qp.dtype, pb.qp),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=vmem_limit),
@@ -237,14 +235,13 @@ def _q_major_pass(pb: _Problem, delta_col=None):
 
 def _dkv_pass(pb: _Problem, delta_row):
     """Pass 3: dK, dV (kv-major schedule, the group's query heads looped inside)."""
-    spec, bq, bk, d, group = pb.spec, pb.bq, pb.bk, pb.d, pb.spec.group_size
+    spec, bq, bk, d, group, layout = pb.spec, pb.bq, pb.bk, pb.d, pb.spec.group_size, pb.layout
     sched = plan.build_schedule(pb.pos_map.T, pb.overlap(transpose=True))
     hq = plan.q_heads_per_step(spec, "dkv", bq, bk)
     maps = plan.dkv_index_maps(sched, group, hq)
-    in_specs = [pl.BlockSpec((None, hq, bq, d), maps["q"]),
-                pl.BlockSpec((None, None, bk, d), maps["kv"]),
-                pl.BlockSpec((None, None, bk, d), maps["kv"]),
-                pl.BlockSpec((None, hq, bq, d), maps["q"]),
+    q_spec = pl.BlockSpec(layout.block(hq, bq), layout.index_map(maps["q"]))
+    kv_block_spec = pl.BlockSpec(layout.block(None, bk), layout.index_map(maps["kv"]))
+    in_specs = [q_spec, kv_block_spec, kv_block_spec, q_spec,
                 pl.BlockSpec((None, hq, 2, bq), maps["q_row"]),
                 pl.BlockSpec((None, hq, 1, bq), maps["q_row"])]
     operands = [pb.qp, pb.kp, pb.vp, pb.dop, jnp.swapaxes(pb.lse, 2, 3), delta_row]
@@ -252,7 +249,6 @@ def _dkv_pass(pb: _Problem, delta_row):
         in_specs += [pl.BlockSpec((None, SUBLANES, bq), maps["q_segment"]),
                      pl.BlockSpec((None, bk, LANES), maps["kv_segment"])]
         operands += [pb.segs["q_row"], pb.segs["kv_col"]]
-    kv_block_spec = pl.BlockSpec((None, None, bk, d), maps["kv"])
     vmem_limit = None if pb.interpret else plan.head_block_vmem_limit(spec, "dkv", bq, bk, hq)
     return pl.pallas_call(
         functools.partial(_dkv_kernel, sched=sched, head_blocks=group // hq, q_heads=hq, **pb.kernel_args),
@@ -294,6 +290,7 @@ def backward(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret, delta=No
         delta = jnp.broadcast_to(delta[..., None], (*delta.shape, LANES))
     dq = _q_major_pass(pb, delta_col=delta)
     dk, dv = _dkv_pass(pb, delta_row=delta[:, :, None, :, 0])
-    return (from_kernel_layout(dq, spec.q_len, spec.head_dim),
-            from_kernel_layout(dk, spec.kv_len, spec.head_dim),
-            from_kernel_layout(dv, spec.kv_len, spec.head_dim))
+    layout = pb.layout
+    return (layout.result(dq, spec.q_len, spec.num_q_heads, spec.head_dim),
+            layout.result(dk, spec.kv_len, spec.num_kv_heads, spec.head_dim),
+            layout.result(dv, spec.kv_len, spec.num_kv_heads, spec.head_dim))

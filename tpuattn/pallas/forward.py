@@ -3,13 +3,13 @@
 Grid ``(batch, head_block, q_block, kv_step)``. A head block is the query heads of one GQA group
 (or a divisor of it, where the chip's VMEM asks: :func:`tpuattn.pallas.plan.q_heads_per_step`): a
 step loops over them against one K/V block, so each K/V block is fetched once per group, not once
-per query head, and a 16-query/2-kv-head problem takes the grid steps of a 2/2 one. The blocks hold
-the heads on a leading axis (``(q_heads, block_q, head_dim)``), so each head is a whole
-(sublane, lane) tile. The first three axes are independent (``parallel``: Mosaic may split them
+per query head, and a 16-query/2-kv-head problem takes the grid steps of a 2/2 one. Each head of a
+block is a whole (sublane, lane) tile: lane columns of the free view ``[batch, seq, heads * head_dim]``
+(head_dim a multiple of 128), or a leading axis of the padded heads-first copy otherwise. The first three axes are independent (``parallel``: Mosaic may split them
 across TensorCores); the kv axis is a reduction into VMEM scratch that lives across its steps, so it
 must run in order on one core (``arbitrary``) and be the last (fastest) axis.
 
-The layout (``[batch, heads, seq, head_dim]``, padded to tiles) is :mod:`tpuattn.pallas.layout`'s;
+The layout (:class:`tpuattn.pallas.layout.Layout`) is :mod:`tpuattn.pallas.layout`'s;
 the schedule, index maps and step guard are :mod:`tpuattn.pallas.plan`'s.
 """
 
@@ -25,21 +25,12 @@ from jax.experimental.pallas import tpu as pltpu
 from tpuattn._checks import round_up
 from tpuattn.numerics import apply_softcap, matmul_precision
 from tpuattn.pallas import compat, plan
-from tpuattn.pallas.layout import (
-    LANES,
-    NT_DIMS,
-    SUBLANES,
-    from_kernel_layout,
-    padded_head_dim,
-    segment_layouts,
-    tile_visibility,
-    to_kernel_layout,
-)
+from tpuattn.pallas.layout import LANES, NT_DIMS, SUBLANES, Layout, segment_layouts, tile_visibility
 
 
 # --------------------------------------------------------------------------- kernel
 def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, has_segments,
-                    precision):
+                    precision, layout):
     prefetch, (q_ref, k_ref, v_ref), (q_seg_ref, kv_seg_ref), rest = plan.split_refs(refs, 3, has_segments)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -60,7 +51,7 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
             keep = tile_visibility(mask, (block_q, block_kv), i * block_q, kv_block * block_kv, *segments)
 
         def head(h):
-            s = jax.lax.dot_general(q_ref[h], k, NT_DIMS, precision=precision,
+            s = jax.lax.dot_general(q_ref[layout.head(h)], k, NT_DIMS, precision=precision,
                                     preferred_element_type=jnp.float32)
             s = apply_softcap(s * scale, softcap)
             if keep is not None:
@@ -87,8 +78,9 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
         # Rows that saw no key (l = 0) output zeros; a NaN l (a NaN among the row's keys) must
         # propagate, so the test is "l != 0", not "l > 0".
         seen = l_sum != 0
-        o_ref[...] = jnp.where(seen[..., :1], acc_ref[...] / jnp.where(seen, l_sum, 1.0)[..., :1],
-                               0.0).astype(o_ref.dtype)
+        for h in range(q_heads):  # each head's [block_q, head_dim] tile of the output block
+            o_ref[layout.head(h)] = jnp.where(
+                seen[h, :, :1], acc_ref[h] / jnp.where(seen[h], l_sum[h], 1.0)[:, :1], 0.0).astype(o_ref.dtype)
         # The logsumexp m + log(l) is saved as its two terms (lane 0: m, lane 1: log l): with
         # logits near 1e3 the float32 sum would carry an absolute error of ~1e-4, and the
         # backward's exp(s - m - log l) would inherit it; s - m is exact where s is.
@@ -114,9 +106,10 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
     fb = blocks.clamp(spec.q_len, spec.kv_len)
     bq, bk = fb.block_q, fb.block_kv
     tq, tk = round_up(spec.q_len, bq), round_up(spec.kv_len, bk)
-    d = padded_head_dim(spec.head_dim)
+    layout = Layout.for_head_dim(spec.head_dim)
+    d = layout.head_dim
     nq = tq // bq
-    qp, kp, vp = to_kernel_layout(q, bq), to_kernel_layout(k, bk), to_kernel_layout(v, bk)
+    qp, kp, vp = layout.operand(q, bq), layout.operand(k, bk), layout.operand(v, bk)
 
     overlap, segs = None, None
     if segment_ids is not None:
@@ -126,18 +119,17 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
     hq = plan.q_heads_per_step(spec, "forward", bq, bk)
     maps = plan.forward_index_maps(sched, spec.group_size, hq)
 
-    in_specs = [pl.BlockSpec((None, hq, bq, d), maps["q"]),
-                pl.BlockSpec((None, None, bk, d), maps["kv"]),
-                pl.BlockSpec((None, None, bk, d), maps["kv"])]
+    q_spec = pl.BlockSpec(layout.block(hq, bq), layout.index_map(maps["q"]))
+    kv_spec = pl.BlockSpec(layout.block(None, bk), layout.index_map(maps["kv"]))
+    in_specs = [q_spec, kv_spec, kv_spec]
     operands = [qp, kp, vp]
     if segs is not None:
         in_specs += [pl.BlockSpec((None, bq, LANES), maps["q_segment"]),
                      pl.BlockSpec((None, SUBLANES, bk), maps["kv_segment"])]
         operands += [segs["q_col"], segs["kv_row"]]
-    out_specs = [pl.BlockSpec((None, hq, bq, d), maps["q"]),
-                 pl.BlockSpec((None, hq, bq, LANES), maps["q"])]
+    out_specs = [q_spec, pl.BlockSpec((None, hq, bq, LANES), maps["q"])]
     out_dtype = q.dtype if out_dtype is None else out_dtype
-    out_shape = [compat.out_struct((spec.batch, spec.num_q_heads, tq, d), out_dtype, qp),
+    out_shape = [compat.out_struct(layout.shape(spec.batch, spec.num_q_heads, tq), out_dtype, qp),
                  compat.out_struct((spec.batch, spec.num_q_heads, tq, LANES), jnp.float32, qp)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
@@ -151,7 +143,7 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
     kernel = functools.partial(
         _forward_kernel, sched=sched, mask=spec.mask, scale=spec.scale, softcap=spec.softcap,
         block_q=bq, block_kv=bk, q_heads=hq, has_segments=segs is not None,
-        precision=matmul_precision(q.dtype))
+        precision=matmul_precision(q.dtype), layout=layout)
     itemsize = jnp.dtype(q.dtype).itemsize
     computed = spec.batch * spec.num_q_heads * sched.num_outer * sched.steps  # tiles, an upper bound
     cost = pl.CostEstimate(flops=4 * computed * bq * bk * d, transcendentals=computed * bq * bk,
@@ -168,4 +160,4 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
         cost_estimate=cost,
         name="tpuattn_flash_forward",
     )(*sched.arrays(), *operands)
-    return from_kernel_layout(out, spec.q_len, spec.head_dim), lse[:, :, : spec.q_len, : 3 if seen else 2]
+    return layout.result(out, spec.q_len, spec.num_q_heads, spec.head_dim), lse[:, :, : spec.q_len, : 3 if seen else 2]

@@ -1,24 +1,33 @@
-"""The kernels' data layout: padding, the ``[batch, heads, seq, head_dim]`` layout, segment-id tiles
-and the in-kernel mask of one tile.
+"""The kernels' data layout: padding, the two ways a kernel sees ``[batch, seq, heads, head_dim]``
+arrays, segment-id tiles and the in-kernel mask of one tile.
 
-A block's last two dimensions are (sequence, head_dim): the TPU's (sublane, lane) tile. head_dim
-is padded to a multiple of 128 lanes and the sequences to their block multiples; padded keys are
+A block's last two dimensions are (sequence, lanes): the TPU's (sublane, lane) tile. Padded keys are
 hidden by the mask's ``kv_idx < kv_len``, padded query rows are sliced off.
 
-Why the kernels do not read the contract's ``[batch, seq, heads, head_dim]`` directly: a BlockSpec
-that picks one head there, ``(None, block, None, head_dim)``, puts a squeezed head axis second-minor,
-and Pallas TPU refuses it (the last two block dims must be multiples of (8, 128) or the full dims).
-A block holding every head, ``(None, block, heads, head_dim)``, does compile for v5e (checked with the
-TPU compiler), at the price of a kernel that loops over heads in VMEM with VMEM growing with the head
-count -- not done. The copies in and out of this layout are therefore part of the Pallas path's cost:
-the roofline counts them (the "wrapper" lines of its breakdown) and the compile stage checks that the
-compiler's bytes for them are at least that.
+:class:`Layout` picks one of two views per call:
+
+* **columns** (``head_dim`` a multiple of 128): the contract's array reshaped to
+  ``[batch, seq, heads * head_dim]``, which is free (no data moves). Head ``h`` is the lane columns
+  ``h * head_dim ...``, so a block of ``q_heads`` heads of one query block is
+  ``(None, block_q, q_heads * head_dim)`` and one kv head's K/V block is ``(None, block_kv, head_dim)``:
+  both obey the TPU tiling rule (the last two block dims multiples of (8, 128)). A kernel takes head
+  ``h`` of a block with a lane slice at a multiple of 128 (:meth:`Layout.head`). Nothing is copied
+  unless a sequence must be padded to its block multiple.
+* **heads first** (any other ``head_dim``): ``[batch, heads, seq_padded, head_dim padded to 128]``, a
+  transposing copy in and out. Why not columns there: a head of 64 lanes is half a lane tile, and a
+  BlockSpec that picks one head of ``[batch, seq, heads, head_dim]``, ``(None, block, None,
+  head_dim)``, puts a squeezed head axis second-minor, which Pallas TPU refuses. The roofline counts
+  these copies (the "wrapper" lines of its breakdown) and the compile stage checks that the
+  compiler's bytes for them are at least that.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from tpuattn._checks import round_up
 from tpuattn.numerics import pad_to_multiple
@@ -42,6 +51,68 @@ def to_kernel_layout(x, block: int):
 def from_kernel_layout(x, seq_len: int, head_dim: int):
     """The inverse of :func:`to_kernel_layout`: slice off the padding, back to ``[batch, seq, heads, d]``."""
     return jnp.swapaxes(x[:, :, :seq_len, :head_dim], 1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the kernels of one call see ``[batch, seq, heads, head_dim]`` arrays (see the module's
+    docstring): ``columns`` (the free view ``[batch, seq, heads * head_dim]``) or heads first.
+
+    The index maps of :mod:`tpuattn.pallas.plan` name blocks of the heads-first layout,
+    ``(batch, head block, seq block, 0)``; :meth:`index_map` adapts them to this layout.
+    """
+
+    columns: bool
+    head_dim: int  # the kernels' head_dim (padded to 128 lanes when heads first)
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> Layout:
+        return cls(columns=head_dim % LANES == 0, head_dim=padded_head_dim(head_dim))
+
+    def operand(self, x, block: int):
+        """A contract-layout ``[batch, seq, heads, head_dim]`` array as the kernels read it, its
+        sequence padded to a multiple of ``block`` (zeros)."""
+        if self.columns:
+            b, t, h, d = x.shape
+            return pad_to_multiple(x.reshape(b, t, h * d), 1, block)
+        return to_kernel_layout(x, block)
+
+    def result(self, x, seq_len: int, heads: int, head_dim: int):
+        """A kernel's output back to ``[batch, seq_len, heads, head_dim]`` (the inverse of :meth:`operand`)."""
+        if self.columns:
+            return x[:, :seq_len].reshape(x.shape[0], seq_len, heads, head_dim)
+        return from_kernel_layout(x, seq_len, head_dim)
+
+    def shape(self, batch: int, heads: int, seq: int) -> tuple[int, ...]:
+        """The kernels' array shape for ``heads`` heads of ``seq`` (padded) rows."""
+        if self.columns:
+            return (batch, seq, heads * self.head_dim)
+        return (batch, heads, seq, self.head_dim)
+
+    def block(self, heads: int | None, rows: int) -> tuple:
+        """A BlockSpec block of ``heads`` heads (``None``: one head, its axis squeezed) of ``rows`` rows."""
+        if self.columns:
+            return (None, rows, (heads or 1) * self.head_dim)
+        return (None, heads, rows, self.head_dim)
+
+    def index_map(self, index_map):
+        """``index_map`` (returning heads-first ``(b, head block, seq block, 0)``) for this layout."""
+        if not self.columns:
+            return index_map
+
+        def columns_map(*grid_and_prefetch):
+            b, head_block, seq_block, _ = index_map(*grid_and_prefetch)
+            return (b, seq_block, head_block)
+
+        return columns_map
+
+    def head(self, h) -> tuple:
+        """The index of head ``h`` (a Python int or a traced int32) in a block of several heads:
+        ``ref[layout.head(h)]`` is that head's ``[rows, head_dim]`` tile."""
+        if not self.columns:
+            return (h,)
+        start = h * self.head_dim if isinstance(h, int) else pl.multiple_of(h * self.head_dim, LANES)
+        return (slice(None), pl.ds(start, self.head_dim))
 
 
 def padded_segment_ids(segment_ids, block_q: int, block_kv: int):
