@@ -201,13 +201,16 @@ def _hbm_array_bytes(shape: str) -> int:
     return total
 
 
-_HLO_MOVES = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) (copy|transpose)\(", re.M)
+_HLO_MOVES = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) (copy|transpose|reshape)\(", re.M)
 
 
 def data_movement_ops(hlo_text: str, min_bytes: int) -> list[tuple[str, str, str, int]]:
-    """``(name, op, shape, bytes)`` of every ``copy`` and ``transpose`` in an optimised program whose
-    result holds at least ``min_bytes`` (its logical size, in any memory, fused or not): the layout
-    copies a wrapper makes around its kernels. A Mosaic kernel is one ``custom-call``, so nothing
+    """``(name, op, shape, bytes)`` of every ``copy``, ``transpose`` and ``reshape`` in an optimised
+    program whose result holds at least ``min_bytes`` (its logical size, in any memory, fused or not):
+    the layout copies a wrapper makes around its kernels. (A reshape the optimised program keeps moves
+    data: one that only renames dimensions of the same bytes is a ``bitcast`` there. On a TPU,
+    ``[b, T, H, D]`` is tiled over its last two dimensions ``(H, D)`` and ``[b, T, H * D]`` over
+    ``(T, H * D)``, so even that reshape moves every byte.) A Mosaic kernel is one ``custom-call``, so nothing
     inside a kernel is listed. ``shape`` is the result's HLO shape without its layout
     (``"bf16[1,4096,16,128]"``)."""
     found = []

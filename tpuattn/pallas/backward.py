@@ -55,7 +55,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tpuattn._checks import round_up
 from tpuattn.numerics import matmul_precision, pad_to_multiple
 from tpuattn.pallas import compat, plan
-from tpuattn.pallas.layout import LANES, NT_DIMS, SUBLANES, Layout, segment_layouts, tile_visibility
+from tpuattn.pallas.layout import LANES, NT_DIMS, STAT_ROWS, SUBLANES, Layout, segment_layouts, tile_visibility
 
 
 def _softcap_grad(s_scaled, softcap):
@@ -88,18 +88,18 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, h
             keep = tile_visibility(mask, (block_q, block_kv), i * block_q, kv_block * block_kv, *segments)
 
         def head(h):
-            q, do, lse = q_ref[layout.head(h)], do_ref[layout.head(h)], lse_ref[h]
+            q, do = q_ref[layout.head(h)], do_ref[layout.head(h)]
+            lse = lse_ref[h].T  # rows (8, block_q) -> columns [block_q, 8]: 0 m, 1 log l
             s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
             s, dcap = _softcap_grad(s * scale, softcap)
-            # logsumexp = m + log l, lanes 0 and 1 of a [block_q, 128] tile.
-            p = jnp.exp((s - lse[:, 0:1]) - lse[:, 1:2])
+            p = jnp.exp((s - lse[:, 0:1]) - lse[:, 1:2])  # logsumexp = m + log l
             if keep is not None:
                 p = jnp.where(keep, p, 0.0)
             dp = jax.lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
             if row_sums_only:  # the same sum in every lane: the output is delta, lane-replicated
                 acc_ref[h] += jnp.sum(p * dp, axis=1, keepdims=True)
                 return
-            ds = p * (dp - delta_ref[h][:, :1])
+            ds = p * (dp - delta_ref[h].T[:, 0:1])
             if dcap is not None:
                 ds = ds * dcap
             acc_ref[h] += scale * jnp.dot(ds.astype(k.dtype), k, precision=precision,
@@ -111,11 +111,11 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, h
 
     @pl.when(step == sched.steps - 1)
     def _finish():
-        if row_sums_only:  # delta, [q_heads, block_q, 128] like the scratch
-            out_ref[...] = acc_ref[...]
-            return
         for h in range(q_heads):
-            out_ref[layout.head(h)] = acc_ref[h].astype(out_ref.dtype)
+            if row_sums_only:  # delta: the scratch's lane-replicated column, written as rows (8, block_q)
+                out_ref[h] = acc_ref[h].T[:STAT_ROWS]
+            else:
+                out_ref[layout.head(h)] = acc_ref[h].astype(out_ref.dtype)
 
 
 # --------------------------------------------------------------------------- dK/dV
@@ -150,7 +150,7 @@ def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, head_bloc
             dv_acc[...] += jnp.dot(pt.astype(do.dtype), do, precision=precision,
                                    preferred_element_type=jnp.float32)
             dpt = jax.lax.dot_general(v, do, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-            dst = pt * (dpt - delta_ref[h])
+            dst = pt * (dpt - delta_ref[h][0:1, :])
             if dcap is not None:
                 dst = dst * dcap
             dk_acc[...] += scale * jnp.dot(dst.astype(q.dtype), q, precision=precision,
@@ -180,7 +180,7 @@ class _Problem:
         self.qp, self.kp, self.vp, self.dop = (self.layout.operand(x, block) for x, block in
                                                ((q, self.bq), (k, self.bk), (v, self.bk), (d_out, self.bq)))
         # Padded query rows: logsumexp 0 and dO 0, so their P is finite and their dS is 0.
-        self.lse = pad_to_multiple(lse, 2, self.bq)  # [b, h, tq, 2]
+        self.lse = pad_to_multiple(pad_to_multiple(lse, 2, STAT_ROWS), 3, self.bq)  # [b, h, 8, tq] rows
         self.segs = segment_layouts(segment_ids, self.bq, self.bk) if segment_ids is not None else None
         self.pos_map = plan.position_map(spec.mask, self.bq, self.bk, self.tq, self.tk)
         self.kernel_args = dict(mask=spec.mask, scale=spec.scale, softcap=spec.softcap, block_q=self.bq,
@@ -191,28 +191,27 @@ class _Problem:
         return plan.schedule_overlap(self.segs, self.bq, self.bk, self.interpret, transpose=transpose)
 
 
-def _q_major_pass(pb: _Problem, delta_col=None):
-    """Passes 1 and 2 on the forward's grid: rowsum(P * dP) when ``delta_col`` is None, else dQ."""
+def _q_major_pass(pb: _Problem, delta=None):
+    """Passes 1 and 2 on the forward's grid: rowsum(P * dP) when ``delta`` is None, else dQ."""
     spec, bq, bk, layout = pb.spec, pb.bq, pb.bk, pb.layout
-    row_sums_only = delta_col is None
+    row_sums_only = delta is None
     sched = plan.build_schedule(pb.pos_map, pb.overlap())
     hq = plan.q_heads_per_step(spec, "dq", bq, bk)
     maps = plan.forward_index_maps(sched, spec.group_size, hq)
-    lse_col = pad_to_multiple(pb.lse, 3, LANES)  # [b, h, tq, 128]: lanes 0, 1 = m, log l
     q_spec = pl.BlockSpec(layout.block(hq, bq), layout.index_map(maps["q"]))
     kv_spec = pl.BlockSpec(layout.block(None, bk), layout.index_map(maps["kv"]))
-    lanes_spec = pl.BlockSpec((None, hq, bq, LANES), maps["q"])  # [b, h, tq, 128] per-row floats
-    in_specs = [q_spec, kv_spec, kv_spec, q_spec, lanes_spec]
-    operands = [pb.qp, pb.kp, pb.vp, pb.dop, lse_col]
+    rows_spec = pl.BlockSpec((None, hq, STAT_ROWS, bq), maps["q_row"])  # [b, h, 8, tq] statistics
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, rows_spec]
+    operands = [pb.qp, pb.kp, pb.vp, pb.dop, pb.lse]
     if not row_sums_only:
-        in_specs.append(lanes_spec)
-        operands.append(delta_col)
+        in_specs.append(rows_spec)
+        operands.append(delta)
     if pb.segs is not None:
         in_specs += [pl.BlockSpec((None, bq, LANES), maps["q_segment"]),
                      pl.BlockSpec((None, SUBLANES, bk), maps["kv_segment"])]
         operands += [pb.segs["q_col"], pb.segs["kv_row"]]
-    if row_sums_only:  # delta, lane-replicated
-        out_spec, out_shape, width = lanes_spec, (spec.batch, spec.num_q_heads, pb.tq, LANES), LANES
+    if row_sums_only:  # delta, accumulated lane-replicated, written as rows
+        out_spec, out_shape, width = rows_spec, (spec.batch, spec.num_q_heads, STAT_ROWS, pb.tq), LANES
     else:
         out_spec, out_shape, width = q_spec, layout.shape(spec.batch, spec.num_q_heads, pb.tq), pb.d
     vmem_limit = None if pb.interpret else plan.head_block_vmem_limit(spec, "dq", bq, bk, hq)
@@ -233,7 +232,7 @@ def _q_major_pass(pb: _Problem, delta_col=None):
     )(*sched.arrays(), *operands)
 
 
-def _dkv_pass(pb: _Problem, delta_row):
+def _dkv_pass(pb: _Problem, delta):
     """Pass 3: dK, dV (kv-major schedule, the group's query heads looped inside)."""
     spec, bq, bk, d, group, layout = pb.spec, pb.bq, pb.bk, pb.d, pb.spec.group_size, pb.layout
     sched = plan.build_schedule(pb.pos_map.T, pb.overlap(transpose=True))
@@ -242,9 +241,9 @@ def _dkv_pass(pb: _Problem, delta_row):
     q_spec = pl.BlockSpec(layout.block(hq, bq), layout.index_map(maps["q"]))
     kv_block_spec = pl.BlockSpec(layout.block(None, bk), layout.index_map(maps["kv"]))
     in_specs = [q_spec, kv_block_spec, kv_block_spec, q_spec,
-                pl.BlockSpec((None, hq, 2, bq), maps["q_row"]),
-                pl.BlockSpec((None, hq, 1, bq), maps["q_row"])]
-    operands = [pb.qp, pb.kp, pb.vp, pb.dop, jnp.swapaxes(pb.lse, 2, 3), delta_row]
+                pl.BlockSpec((None, hq, STAT_ROWS, bq), maps["q_row"]),
+                pl.BlockSpec((None, hq, STAT_ROWS, bq), maps["q_row"])]
+    operands = [pb.qp, pb.kp, pb.vp, pb.dop, pb.lse, delta]
     if pb.segs is not None:
         in_specs += [pl.BlockSpec((None, SUBLANES, bq), maps["q_segment"]),
                      pl.BlockSpec((None, bk, LANES), maps["kv_segment"])]
@@ -271,25 +270,25 @@ def row_sums(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret):
     """Pass 1 alone: ``rowsum(P * dP)`` ``[b, h, q_len]`` float32 (for a block of a larger problem,
     its share of the row's sum: ``lse`` is then the whole row's)."""
     pb = _Problem(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret)
-    return _q_major_pass(pb)[:, :, : spec.q_len, 0]
+    return _q_major_pass(pb)[:, :, 0, : spec.q_len]
 
 
 def backward(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret, delta=None):
     """dQ, dK, dV (contract layout, input dtypes) from the forward's logsumexp.
 
-    ``lse`` is the forward's ``[b, h, q_len, 2]`` pair (max, log sum); ``blocks`` a
+    ``lse`` is the forward's ``[b, h, 2, q_len]`` pair (max, log sum); ``blocks`` a
     :class:`~tpuattn.pallas.blocks.BackwardBlocks` shared by the three passes. ``delta``
     ``[b, h, q_len]`` (the whole row's ``rowsum(P * dP)``, for a block of a larger problem)
     replaces pass 1 when given.
     """
     pb = _Problem(q, k, v, segment_ids, lse, d_out, spec, blocks, interpret)
     if delta is None:
-        delta = _q_major_pass(pb)  # rowsum(P * dP): [b, h, tq, 128] float32, lane-replicated
+        delta = _q_major_pass(pb)  # rowsum(P * dP): [b, h, 8, tq] float32 rows (row 0)
     else:
-        delta = pad_to_multiple(delta.astype(jnp.float32), 2, pb.bq)
-        delta = jnp.broadcast_to(delta[..., None], (*delta.shape, LANES))
-    dq = _q_major_pass(pb, delta_col=delta)
-    dk, dv = _dkv_pass(pb, delta_row=delta[:, :, None, :, 0])
+        delta = pad_to_multiple(delta.astype(jnp.float32), 2, pb.bq)[:, :, None, :]
+        delta = jnp.broadcast_to(delta, (*delta.shape[:2], STAT_ROWS, delta.shape[3]))
+    dq = _q_major_pass(pb, delta=delta)
+    dk, dv = _dkv_pass(pb, delta=delta)
     layout = pb.layout
     return (layout.result(dq, spec.q_len, spec.num_q_heads, spec.head_dim),
             layout.result(dk, spec.kv_len, spec.num_kv_heads, spec.head_dim),

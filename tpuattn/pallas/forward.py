@@ -25,12 +25,12 @@ from jax.experimental.pallas import tpu as pltpu
 from tpuattn._checks import round_up
 from tpuattn.numerics import apply_softcap, matmul_precision
 from tpuattn.pallas import compat, plan
-from tpuattn.pallas.layout import LANES, NT_DIMS, SUBLANES, Layout, segment_layouts, tile_visibility
+from tpuattn.pallas.layout import LANES, NT_DIMS, STAT_ROWS, SUBLANES, Layout, segment_layouts, tile_visibility
 
 
 # --------------------------------------------------------------------------- kernel
 def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, has_segments,
-                    precision, layout):
+                    precision, layout, stat_rows):
     prefetch, (q_ref, k_ref, v_ref), (q_seg_ref, kv_seg_ref), rest = plan.split_refs(refs, 3, has_segments)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -78,27 +78,30 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
         # Rows that saw no key (l = 0) output zeros; a NaN l (a NaN among the row's keys) must
         # propagate, so the test is "l != 0", not "l > 0".
         seen = l_sum != 0
+        # The logsumexp m + log(l) is saved as its two terms (0: m, 1: log l): with logits near
+        # 1e3 the float32 sum would carry an absolute error of ~1e-4, and the backward's
+        # exp(s - m - log l) would inherit it; s - m is exact where s is. 2: did the row see any
+        # key (for a block of a larger problem, whose rows may see nothing here and something
+        # elsewhere: (0, 0) alone cannot say).
+        m = jnp.where(seen, m, 0.0)
+        log_l = jnp.where(seen, jnp.log(jnp.where(seen, l_sum, 1.0)), 0.0)
+        lane = jax.lax.broadcasted_iota(jnp.int32, m.shape[1:], 1)
         for h in range(q_heads):  # each head's [block_q, head_dim] tile of the output block
             o_ref[layout.head(h)] = jnp.where(
                 seen[h, :, :1], acc_ref[h] / jnp.where(seen[h], l_sum[h], 1.0)[:, :1], 0.0).astype(o_ref.dtype)
-        # The logsumexp m + log(l) is saved as its two terms (lane 0: m, lane 1: log l): with
-        # logits near 1e3 the float32 sum would carry an absolute error of ~1e-4, and the
-        # backward's exp(s - m - log l) would inherit it; s - m is exact where s is.
-        m = jnp.where(seen, m, 0.0)
-        log_l = jnp.where(seen, jnp.log(jnp.where(seen, l_sum, 1.0)), 0.0)
-        lane = jax.lax.broadcasted_iota(jnp.int32, m.shape, 2)
-        # Lane 2: did the row see any key (for a block of a larger problem, whose rows may see
-        # nothing here and something elsewhere: (0, 0) alone cannot say).
-        lse_ref[...] = jnp.where(lane == 0, m, jnp.where(lane == 1, log_l, seen.astype(jnp.float32)))
+            stats = jnp.where(lane == 0, m[h], jnp.where(lane == 1, log_l[h], jnp.where(
+                lane == 2, seen[h].astype(jnp.float32), 0.0)))  # [block_q, 128]: one statistic per lane
+            # As rows (8, block_q), queries on lanes: 32 bytes a row in HBM, not 512.
+            lse_ref[h] = stats.T[:STAT_ROWS] if stat_rows else stats
 
 
 def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype=None):
-    """Pallas forward. Returns ``(out [b, q_len, h, d], logsumexp [b, h, q_len, 2] float32)``.
+    """Pallas forward. Returns ``(out [b, q_len, h, d], logsumexp [b, h, 2, q_len] float32)``.
 
     ``out`` is in ``out_dtype`` (default: q's dtype; float32 for a block of a larger problem, whose
     output is merged with others before it is rounded). The logsumexp comes as its two terms
-    ``(max, log(sum))``; their sum is the logsumexp (0 for a row that sees no key). With ``seen`` a
-    third column says whether the row saw any key (1.0) or none (0.0).
+    ``(max, log(sum))`` on axis 2; their sum is the logsumexp (0 for a row that sees no key). With
+    ``seen`` a third row says whether the row saw any key (1.0) or none (0.0).
 
     ``blocks`` is a :class:`~tpuattn.pallas.blocks.ForwardBlocks`; ``interpret`` as for
     ``pallas_call`` (already resolved by the caller).
@@ -127,10 +130,17 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
         in_specs += [pl.BlockSpec((None, bq, LANES), maps["q_segment"]),
                      pl.BlockSpec((None, SUBLANES, bk), maps["kv_segment"])]
         operands += [segs["q_col"], segs["kv_row"]]
-    out_specs = [q_spec, pl.BlockSpec((None, hq, bq, LANES), maps["q"])]
+    # The statistics as rows [b, h, 8, tq] need block_q on lanes: a multiple of 128 or the whole
+    # (padded) sequence. A forward block_q of a multiple of 8 only writes them as 128-lane columns,
+    # transposed to rows outside the kernel.
+    stat_rows = bq % LANES == 0 or bq == tq
+    stats_spec = (pl.BlockSpec((None, hq, STAT_ROWS, bq), maps["q_row"]) if stat_rows
+                  else pl.BlockSpec((None, hq, bq, LANES), maps["q"]))
+    out_specs = [q_spec, stats_spec]
     out_dtype = q.dtype if out_dtype is None else out_dtype
     out_shape = [compat.out_struct(layout.shape(spec.batch, spec.num_q_heads, tq), out_dtype, qp),
-                 compat.out_struct((spec.batch, spec.num_q_heads, tq, LANES), jnp.float32, qp)]
+                 compat.out_struct((spec.batch, spec.num_q_heads, STAT_ROWS, tq) if stat_rows
+                                   else (spec.batch, spec.num_q_heads, tq, LANES), jnp.float32, qp)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(spec.batch, spec.num_q_heads // hq, nq, sched.steps),
@@ -143,13 +153,13 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
     kernel = functools.partial(
         _forward_kernel, sched=sched, mask=spec.mask, scale=spec.scale, softcap=spec.softcap,
         block_q=bq, block_kv=bk, q_heads=hq, has_segments=segs is not None,
-        precision=matmul_precision(q.dtype), layout=layout)
+        precision=matmul_precision(q.dtype), layout=layout, stat_rows=stat_rows)
     itemsize = jnp.dtype(q.dtype).itemsize
     computed = spec.batch * spec.num_q_heads * sched.num_outer * sched.steps  # tiles, an upper bound
     cost = pl.CostEstimate(flops=4 * computed * bq * bk * d, transcendentals=computed * bq * bk,
                            bytes_accessed=itemsize * (qp.size * 2 + kp.size + vp.size))
     vmem_limit = None if interpret else plan.head_block_vmem_limit(spec, "forward", bq, bk, hq)
-    out, lse = pl.pallas_call(
+    out, stats = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
@@ -160,4 +170,7 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
         cost_estimate=cost,
         name="tpuattn_flash_forward",
     )(*sched.arrays(), *operands)
-    return layout.result(out, spec.q_len, spec.num_q_heads, spec.head_dim), lse[:, :, : spec.q_len, : 3 if seen else 2]
+    if not stat_rows:
+        stats = jnp.swapaxes(stats[..., :STAT_ROWS], 2, 3)
+    return layout.result(out, spec.q_len, spec.num_q_heads, spec.head_dim), stats[:, :, : 3 if seen else 2,
+                                                                                   : spec.q_len]

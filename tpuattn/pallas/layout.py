@@ -1,7 +1,8 @@
 """The kernels' data layout: padding, the two ways a kernel sees ``[batch, seq, heads, head_dim]``
 arrays, segment-id tiles and the in-kernel mask of one tile.
 
-A block's last two dimensions are (sequence, lanes): the TPU's (sublane, lane) tile. Padded keys are
+A block's last two dimensions are (sequence, lanes): the TPU's (sublane, lane) tile; per-row
+statistics are the transpose, rows ``[batch, heads, 8, seq]`` (:data:`STAT_ROWS`). Padded keys are
 hidden by the mask's ``kv_idx < kv_len``, padded query rows are sliced off.
 
 :class:`Layout` picks one of two views per call:
@@ -33,6 +34,12 @@ from tpuattn._checks import round_up
 from tpuattn.numerics import pad_to_multiple
 
 SUBLANES, LANES = 8, 128
+
+# Per-row statistics (the forward's logsumexp terms, the backward's delta) are float32 rows
+# ``[batch, heads, STAT_ROWS, seq]``: queries on lanes, one statistic per sublane (the forward:
+# 0 m, 1 log l, 2 seen; delta: 0), 32 bytes a query row. A kernel that needs them as columns of its
+# ``[block_q, ...]`` tiles transposes its ``(8, block_q)`` block in VMEM.
+STAT_ROWS = SUBLANES
 
 # Contract dims (..., d) of both operands: q @ k^T without materialising k^T.
 NT_DIMS = (((1,), (1,)), ((), ()))

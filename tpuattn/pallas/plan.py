@@ -242,6 +242,9 @@ def forward_index_maps(sched: Schedule, group_size: int, q_heads: int = 1):
     def q_map(b, hb, i, s, index_ref, mask_ref, count_ref):  # block (q_heads, block_q, d)
         return (b, hb, i, 0)
 
+    def q_row_map(b, hb, i, s, index_ref, mask_ref, count_ref):  # [batch, heads, 8, q_len] statistics
+        return (b, hb, 0, i)
+
     def kv_map(b, hb, i, s, index_ref, mask_ref, count_ref):
         # GQA: a head block's query heads share one kv head; its K/V block serves them all, and
         # K/V are never repeated per query head.
@@ -253,7 +256,8 @@ def forward_index_maps(sched: Schedule, group_size: int, q_heads: int = 1):
     def kv_segment_map(b, hb, i, s, index_ref, mask_ref, count_ref):  # [batch, 8, kv_len]
         return (b, 0, visited_block(sched, index_ref, b, i, s))
 
-    return {"q": q_map, "kv": kv_map, "q_segment": q_segment_map, "kv_segment": kv_segment_map}
+    return {"q": q_map, "q_row": q_row_map, "kv": kv_map, "q_segment": q_segment_map,
+            "kv_segment": kv_segment_map}
 
 
 def dkv_index_maps(sched: Schedule, group_size: int, q_heads: int = 1):
@@ -266,7 +270,7 @@ def dkv_index_maps(sched: Schedule, group_size: int, q_heads: int = 1):
     def q_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):
         return (b, kh * blocks_per_kv_head + g, visited_block(sched, index_ref, b, j, t), 0)
 
-    def q_row_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):  # [batch, heads, 1 or 2, q_len]
+    def q_row_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):  # [batch, heads, 8, q_len] statistics
         return (b, kh * blocks_per_kv_head + g, 0, visited_block(sched, index_ref, b, j, t))
 
     def kv_map(b, kh, j, g, t, index_ref, mask_ref, count_ref):

@@ -151,29 +151,29 @@ def _block_call(q, k, v, segment_ids, spec, options, *rows):
     return q, k, v, segment_ids, arrays[len(arrays) - len(rows):], blocks, interpret
 
 
-# The kernels' edge: their row statistics are lanes (m, log l, seen) with (0, 0) for a row that saw
+# The kernels' edge: their row statistics are rows (m, log l, seen) with (0, 0) for a row that saw
 # nothing; everything outside speaks tpuattn.softmax.Partial (m = -inf, log l = 0 there).
 def _lse_in(m, log_l):
     """Whole-row stats ``[b, h, q_len]`` (a :class:`~tpuattn.softmax.Partial`'s ``m``, ``log_l``) as
-    the kernels' ``[b, h, q_len, 2]`` (a row that sees nothing: 0 and 0, as the forward writes it;
+    the kernels' ``[b, h, 2, q_len]`` (a row that sees nothing: 0 and 0, as the forward writes it;
     its probabilities are masked to 0 anyway)."""
     seen = m != -jnp.inf
-    return jnp.stack([jnp.where(seen, m, 0.0), jnp.where(seen, log_l, 0.0)], axis=-1)
+    return jnp.stack([jnp.where(seen, m, 0.0), jnp.where(seen, log_l, 0.0)], axis=2)
 
 
-def _partial_out(out, lanes) -> softmax.Partial:
-    """The forward's float32 output and ``[b, h, q_len, 3]`` lanes ``(m, log l, seen)`` as a Partial."""
-    seen = lanes[..., 2] > 0
-    return softmax.Partial(out, jnp.where(seen, lanes[..., 0], -jnp.inf), jnp.where(seen, lanes[..., 1], 0.0))
+def _partial_out(out, stats) -> softmax.Partial:
+    """The forward's float32 output and ``[b, h, 3, q_len]`` rows ``(m, log l, seen)`` as a Partial."""
+    seen = stats[:, :, 2] > 0
+    return softmax.Partial(out, jnp.where(seen, stats[:, :, 0], -jnp.inf), jnp.where(seen, stats[:, :, 1], 0.0))
 
 
 def partial_forward(q, k, v, segment_ids, spec, **options):
     """This block's :class:`tpuattn.softmax.Partial`: the kernel accumulates in float32 and writes
     its output in float32, not rounded to the input dtype before the merge."""
     q, k, v, segment_ids, _, blocks, interpret = _block_call(q, k, v, segment_ids, spec, options)
-    out, lanes = forward(q, k, v, segment_ids, spec, blocks.forward, interpret, seen=True,
+    out, stats = forward(q, k, v, segment_ids, spec, blocks.forward, interpret, seen=True,
                          out_dtype=jnp.float32)
-    return _partial_out(out, lanes)
+    return _partial_out(out, stats)
 
 
 def partial_row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options):
