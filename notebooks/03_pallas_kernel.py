@@ -1005,7 +1005,14 @@ for name, grad_fn in candidates.items():
 #   longest list -- a sliding window shortens the grid itself -- and tiles that every row sees
 #   whole skip the mask arithmetic;
 # * windows, segment ids (empty rows return zeros), softcap, GQA/MQA, the saved logsumexp and
-#   the two backward kernels; block sizes as a small validated dataclass.
+#   the two backward kernels; block sizes as a small validated dataclass;
+# * **no layout copies** where head_dim is a multiple of 128: instead of transposing to
+#   `[batch, heads, seq, head_dim]` as step 2 does, the kernels read and write the contract's arrays
+#   as `[batch, seq, heads * head_dim]`, where head `h` is the lane columns `h * head_dim ...`. A
+#   block of the query heads of one GQA group is `(block_q, heads_in_group * head_dim)`, and a kernel
+#   takes one head with a lane slice at a multiple of 128. The per-row statistics (`m` and `log l`
+#   from the forward, `delta` in the backward) are float32 rows `[batch, heads, 8, seq]`, 32 bytes a
+#   query row; the kernels transpose an `(8, block_q)` block in VMEM where they need a column.
 #
 # Its options are `block_sizes`, `interpret` (`None`: compiled on TPU, interpret mode elsewhere;
 # `"simulate"`: the TPU simulator with race detection) and `backward` (`"exact"` or `"fast"`, step 6).
@@ -1030,6 +1037,27 @@ package_cases = [  # two calls, many features: every new shape costs an interpre
 # %% tags=["nbval-ignore-output"]
 for name, got, want, tol in package_cases:
     check(f"impl='pallas': {name}", got, want, tol)
+
+# %% [markdown]
+# What does that buy? The cell below compiles the package's forward and backward for v5e (compiled,
+# not run) with 16 query heads on 2 kv heads at 4096 tokens, and lists what the optimised program
+# still copies, transposes or reshapes outside the kernels (`aot.wrapper_moves`). Arguments shaped
+# as a projection makes them, `[batch, seq, heads * head_dim]`, leave nothing to move. Arguments in
+# the contract's `[batch, seq, heads, head_dim]` cost one relayout each: a TPU tiles an array's last
+# two dimensions into (8, 128) tiles, `(heads, head_dim)` there and `(seq, heads * head_dim)` in the
+# kernels' view, so that reshape moves every byte.
+
+# %%
+if COMPILER:
+    gqa = aot.Problem(seq_len=4096, heads=16, kv_heads=2)
+    for projected in (True, False):
+        compiled, moves = aot.wrapper_moves("v5e", gqa, "fwd+bwd", projected=projected)
+        shape = "[1, 4096, 16 * 128]" if projected else "[1, 4096, 16, 128]"
+        print(f"fwd+bwd, Q {shape}: {len(moves)} moves outside the kernels "
+              f"{sorted(op for _, op, _, _ in moves)}, peak HBM "
+              f"{aot.compiled_facts(compiled)['peak_hbm_bytes'] / 2**20:.0f} MiB ({aot.LABEL})")
+else:
+    print("no TPU compiler here (pip install 'jax[tpu]'): nothing compiled")
 
 # %% [markdown]
 # ## The grid, drawn
@@ -1107,9 +1135,9 @@ print(counts.format_table(rows))
 # shrinks -- K and V are 4x smaller -- and so does the K/V traffic, 4x too, since each group streams
 # its kv head's blocks once (a kernel stepping over query heads would stream them once per query head,
 # 4x more, and the ratio would grow instead). The `lse` column is the logsumexp saved for the backward,
-# stored as one 128-lane float32 row per query (`[.., q_len, 128]`: the TPU-friendly layout of a
-# per-row value; the package uses lanes 0 and 1 for `m` and `log l`): twice the bytes of O at head_dim 128 in
-# bfloat16 -- small next to K/V here, though a packed layout could make it ~64x smaller.
+# stored as 8 float32 sublanes per query (`[.., 8, q_len]`, queries on lanes; the package uses rows
+# 0 and 1 for `m` and `log l`): an eighth of O's bytes at head_dim 128 in bfloat16. Kept as one
+# 128-lane row per query, the layout the online softmax computes it in, it would be twice O's.
 #
 # **The count.** At 4096 tokens, 128-blocks, causal, the kernel computes and
 # fetches only about half of the kv blocks the unmasked kernel does. The counts come from
@@ -1202,7 +1230,9 @@ else:
 # > lay tensors out `[batch, heads, seq, head_dim]`, pad head_dim to 128, keep `block_q` and
 # > `block_kv` (the sublane dimension of the Q and K/V blocks) multiples of 8. A `block_kv` of 128 or
 # > more fills the lanes of the `[block_q, block_kv]` score tile: a choice for speed, not the rule.
-# > Interpret mode does not check the rule; Mosaic's lowering does.
+# > Interpret mode does not check the rule; Mosaic's lowering does. The transpose is the simple way to
+# > obey it, not the only one: with head_dim a multiple of 128 the package's kernel reads
+# > `[batch, seq, heads * head_dim]` in 128-lane column blocks, and nothing moves outside it.
 #
 # > **Takeaway.** Running statistics live in **float32 VMEM scratch**, initialised on the first kv
 # > step and written on the last; the kv axis carries that state, so it is the last grid axis and

@@ -182,10 +182,11 @@ def test_reproduce_a_committed_report_finds_no_difference(kind, limit, capsys):
 @pinned_compiler
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_wrappers_layout_copies_cost_at_least_what_the_model_counts(head_dim):
-    # The Pallas path copies Q, K, V into [batch, heads, seq, head_dim padded to 128] and O back. The
-    # model counts one read and one write of each (its "wrapper" lines); XLA's cost analysis of those
-    # copies alone counts more (about 2.5x at head_dim 128: its transposes of [B, T, H, D] are not one
-    # pass), so the model stays a lower bound.
+    # Called with contract-shaped arrays, the Pallas path relays Q, K, V out into its view and O back:
+    # [batch, seq, heads * 128] (the TPU tiles [.., heads, 128] otherwise) at head_dim 128, the padded
+    # [batch, heads, seq, 128] copy at 64. The model counts one read and one write of each (its
+    # "wrapper" lines); XLA's cost analysis of those moves alone counts at least that, so the model
+    # stays a lower bound.
     problem = aot.Problem(seq_len=4096, heads=8, head_dim=head_dim, causal=False)
     compiled = aot.layout_copy_bytes("v5e", problem)
     spec = roofline.problem(4096, heads=8, head_dim=head_dim, dtype="bfloat16")

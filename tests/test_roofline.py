@@ -172,13 +172,13 @@ def test_flash_counts_by_hand():
     full = roofline.cost("pallas", spec, "fwd", q_block=128, kv_block=128)
     assert full.flops == 4 * 256 * 256 * 128 == full.standard_flops
     # Q once per q block (2), K and V per visited tile (4), O once per q block (2), the logsumexp
-    # 128 lanes of f32 per row (256 rows), and the wrapper's copies into the kernel layout (Q, K, V:
+    # 8 sublanes of f32 per row (256 rows), and the wrapper's relayouts into the kernels' view (Q, K, V:
     # read + write 3 x 2 blocks each) and out of it (O).
     copies = 2 * (3 * 2 * tile) + 2 * (2 * tile)
-    assert full.hbm_bytes == 2 * tile + 4 * 2 * tile + 2 * tile + 256 * 512 + copies
-    # splash's forward without residuals writes no logsumexp; for a gradient it saves 128 lanes a row too.
+    assert full.hbm_bytes == 2 * tile + 4 * 2 * tile + 2 * tile + 256 * 32 + copies
+    # splash's forward without residuals writes no logsumexp; for a gradient it saves 128 lanes a row.
     splash = roofline.cost("splash", spec, "fwd", q_block=128, kv_block=128)
-    assert full.hbm_bytes - splash.hbm_bytes == 256 * 512
+    assert full.hbm_bytes - splash.hbm_bytes == 256 * 32
     assert ("write logsumexp", 256 * 512) in roofline.cost("splash", spec, "fwd+bwd", q_block=128,
                                                            kv_block=128).breakdown
     causal_spec = roofline.problem(256, heads=1, head_dim=128, causal=True)
@@ -451,9 +451,9 @@ def test_a_misspelt_schedule_model_field_is_an_error():
         ScheduleModel(live_scores={"fwd+bw": lambda p: 8})
     with pytest.raises(ValueError, match=r"^lse_row_bytes: expected a positive int"):
         ScheduleModel(lse_row_bytes=0)
-    assert roofline.schedule_model("pallas") == ScheduleModel(lse_row_bytes=512, delta_row_bytes=512,
+    assert roofline.schedule_model("pallas") == ScheduleModel(lse_row_bytes=32, delta_row_bytes=32,
                                                               pads_head_dim=True, kernel_layout_copies=True,
-                                                              lse_copies_in_backward=2,
+                                                              lse_copies_in_backward=0,
                                                               kv_once_per_group=True)
     with pytest.raises(ValueError, match=r"^lse_copies_in_backward: expected an int >= 0, got True"):
         ScheduleModel(lse_copies_in_backward=True)

@@ -366,21 +366,57 @@ def compile_row(chip_name: str, impl: str, mode: str, problem: Problem, options:
     return row
 
 
-def layout_copy_bytes(chip_name: str, problem: Problem) -> float:
-    """Compiled bytes accessed by the Pallas wrapper's own data movement alone: Q, K, V into the
-    kernel layout ``[batch, heads, seq, head_dim padded to 128]`` and O back (forward)."""
+def wrapper_moves(chip_name: str, problem: Problem, mode: str = "fwd", *, projected: bool = False):
+    """``(compiled, moves)``: ``impl="pallas"`` compiled for ``chip_name`` (``mode`` ``"fwd"`` or
+    ``"fwd+bwd"``, the gradient of a sum) and its :func:`data_movement_ops` of at least a K/V's bytes,
+    the data movement outside the kernels. ``projected``: Q, K, V arrive as a projection makes them,
+    ``[batch, seq, heads * head_dim]`` reshaped to the contract's shape, and O leaves as one takes it;
+    otherwise the arguments and result are in the contract's ``[batch, seq, heads, head_dim]``."""
     import jax
     import jax.numpy as jnp
 
-    from tpuattn.pallas.layout import LANES, from_kernel_layout, padded_head_dim, to_kernel_layout
+    import tpuattn
+
+    if mode not in ("fwd", "fwd+bwd"):
+        raise ValueError(f"mode: expected 'fwd' or 'fwd+bwd', got {mode!r}")
+    q_shape, kv_shape = problem.shapes()
+    options = dict(causal=problem.causal, window=problem.window, softcap=problem.softcap, impl="pallas")
+
+    def attend(q, k, v):
+        if not projected:
+            return tpuattn.attention(q, k, v, **options)
+        split = lambda x, shape: x.reshape(shape)
+        out = tpuattn.attention(split(q, q_shape), split(k, kv_shape), split(v, kv_shape), **options)
+        return out.reshape(q.shape)
+
+    flat = lambda shape: (*shape[:2], shape[2] * shape[3])
+    shapes = [flat(q_shape), flat(kv_shape), flat(kv_shape)] if projected else [q_shape, kv_shape, kv_shape]
+    args = [jax.ShapeDtypeStruct(s, jnp.dtype(problem.dtype)) for s in shapes]
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
+    fn = attend if mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
+    compiled = compile_for(chip_name, fn, args)
+    kv_bytes = math.prod(kv_shape) * jnp.dtype(problem.dtype).itemsize
+    return compiled, data_movement_ops(compiled.as_text(), min_bytes=kv_bytes)
+
+
+def layout_copy_bytes(chip_name: str, problem: Problem) -> float:
+    """Compiled bytes accessed by the Pallas wrapper's own data movement alone (forward): Q, K, V from
+    the contract's ``[batch, seq, heads, head_dim]`` into the kernels' view and O back
+    (:class:`tpuattn.pallas.layout.Layout`: ``[batch, seq, heads * head_dim]``, a relayout between the
+    TPU's two tilings, for head_dim a multiple of 128; the padded heads-first copy otherwise)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpuattn.pallas.layout import LANES, Layout
 
     q_shape, kv_shape = problem.shapes()
     dtype = jnp.dtype(problem.dtype)
-    o_kernel = (problem.batch, problem.heads, problem.seq_len, padded_head_dim(problem.head_dim))
+    layout = Layout.for_head_dim(problem.head_dim)
+    o_kernel = layout.shape(problem.batch, problem.heads, problem.seq_len)
 
     def copies(q, k, v, o):
-        return (to_kernel_layout(q, LANES), to_kernel_layout(k, LANES), to_kernel_layout(v, LANES),
-                from_kernel_layout(o, problem.seq_len, problem.head_dim))
+        return (layout.operand(q, LANES), layout.operand(k, LANES), layout.operand(v, LANES),
+                layout.result(o, problem.seq_len, problem.heads, problem.head_dim))
 
     args = [jax.ShapeDtypeStruct(s, dtype) for s in (q_shape, kv_shape, kv_shape, o_kernel)]
     return compiled_facts(compile_for(chip_name, copies, args))["bytes_accessed"]

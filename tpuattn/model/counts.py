@@ -19,7 +19,7 @@ import numpy as np
 from tpuattn._checks import round_up
 from tpuattn.pallas import plan
 from tpuattn.pallas.blocks import ForwardBlocks, as_block_sizes
-from tpuattn.pallas.layout import LANES, padded_head_dim
+from tpuattn.pallas.layout import LANES, STAT_ROWS, padded_head_dim
 from tpuattn.spec import AttentionSpec, spec_from_shapes
 
 __all__ = ["GridWalk", "HbmTraffic", "describe_mask", "format_table", "grid_walk", "hbm_traffic", "spec_for"]
@@ -160,8 +160,7 @@ class HbmTraffic:
                 "x minimum": self.ratio, "unmasked x minimum": self.unmasked_total / self.minimum}
 
 
-def hbm_traffic(spec: AttentionSpec, block_sizes=None, *, segment_ids=None,
-                lse_lanes: int = LANES) -> HbmTraffic:
+def hbm_traffic(spec: AttentionSpec, block_sizes=None, *, segment_ids=None) -> HbmTraffic:
     """Count the HBM bytes the forward kernel's block schedule moves.
 
     The model (the forward pass only; every array in the kernel's padded layout
@@ -175,8 +174,9 @@ def hbm_traffic(spec: AttentionSpec, block_sizes=None, *, segment_ids=None,
       the query heads of a GQA group (``counts.q_heads`` of them) with one K/V block, so a group
       reads its kv head's K/V once; skipped steps name the resident block and cost nothing;
     * **O**: written once, ``[batch, q_heads, q_len_padded, head_dim_padded]``;
-    * **lse**: the float32 logsumexp saved for the backward pass, stored as one ``lse_lanes``
-      = 128-lane row per query (the kernel's layout; lanes 0 and 1 hold ``m`` and ``log l``);
+    * **lse**: the float32 logsumexp saved for the backward pass, as the kernel writes it: a column
+      of 8 sublanes per query (``[batch, heads, 8, seq]``, :data:`tpuattn.pallas.layout.STAT_ROWS`;
+      rows 0 and 1 hold ``m`` and ``log l``), 32 bytes a query;
     * **segment ids** (if any): a ``block_q x 128`` int32 column per query block of a head block
       and an ``8 x block_kv`` int32 row per K/V fetch;
     * **minimum**: Q, K, V read once and O written once at their unpadded sizes.
@@ -192,7 +192,7 @@ def hbm_traffic(spec: AttentionSpec, block_sizes=None, *, segment_ids=None,
     b, hq, hkv = spec.batch, spec.num_q_heads, spec.num_kv_heads
     q_read = b * hq * tq * d * itemsize
     o_written = q_read
-    lse_written = b * hq * tq * lse_lanes * 4
+    lse_written = b * hq * tq * STAT_ROWS * 4
     kv_block_bytes = bk * d * itemsize
 
     def segment_bytes(fetches: int) -> int:

@@ -522,7 +522,9 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
         if params.forward_saves_lse:
             temps.append(("logsumexp (unread)", written, "unread"))
     else:
-        temps.append(("O from the kernel (the backward's residual)", widen * q_bytes, "copy"))
+        # The exact backward (a row-sum pass) keeps no O: the forward's is dead before the backward runs.
+        if not row_sum_pass:
+            temps.append(("O from the kernel (the backward's residual)", widen * q_bytes, "copy"))
         if copies:
             temps.append(("dO in the kernel layout", widen * q_bytes, "copy"))
         if params.lse_copies_in_backward == 0:
@@ -530,7 +532,8 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
         for n in range(params.lse_copies_in_backward):
             temps.append((f"logsumexp as the backward reads it ({n + 1})", lse, "temp"))
         temps.append(("delta", delta, "temp"))
-        if widen > 1:  # the kernels' padded gradients are buffers of their own
+        # the kernels' gradients padded, or relaid out into the results: buffers of their own
+        if widen > 1 or (copies and row_sum_pass):
             temps += [("dQ from the kernel", widen * q_bytes, "temp"),
                       ("dK from the kernel", widen * kv_bytes, "temp"),
                       ("dV from the kernel", widen * kv_bytes, "temp")]

@@ -63,7 +63,7 @@ from tpuattn.pallas.blocks import (
 )
 from tpuattn.pallas.compat import races_found, reset_races
 from tpuattn.pallas.forward import forward as flash_forward
-from tpuattn.pallas.layout import LANES
+from tpuattn.pallas.layout import STAT_ROWS
 from tpuattn.pallas.plan import ScheduleCounts, kv_schedule
 from tpuattn.pallas.vjp import OPTIONS, PARTIAL, pallas_attention, resolve_interpret
 from tpuattn.registry import ScheduleModel, register
@@ -107,11 +107,13 @@ register(
     partial=PARTIAL,
     # The local kernel of tpuattn.parallel with impl="auto" on a TPU (compiled there, interpreted elsewhere).
     partial_rank=lambda spec, backend: 0.0 if backend == "tpu" else None,
-    # logsumexp and delta are kept 128 lanes wide (f32), head_dim padded to 128, and the wrapper
-    # copies Q, K, V, O (dO, dQ, dK, dV) to and from [batch, heads, seq, head_dim] around the kernels.
-    # The backward pads the saved logsumexp to 128 lanes for its q-major passes and transposes it for
-    # the dK/dV pass (backward.py): two more logsumexp-sized buffers. The forward and dQ grids step
-    # over GQA groups: K/V read once per kv head.
-    model=ScheduleModel(lse_row_bytes=4 * LANES, delta_row_bytes=4 * LANES, pads_head_dim=True,
-                        kernel_layout_copies=True, lse_copies_in_backward=2, kv_once_per_group=True),
+    # logsumexp and delta are float32 rows [batch, heads, 8, seq] (32 bytes a query row), read by
+    # every pass as saved. head_dim is padded to 128 where it is not a multiple of it. Q, K, V, O
+    # (dO, dQ, dK, dV) in the contract's [batch, seq, heads, head_dim] are relaid out once each around
+    # the kernels: to and from the heads-first copy, or, for head_dim a multiple of 128, between the
+    # TPU's tiling of (heads, head_dim) and that of the kernels' view [batch, seq, heads * head_dim]
+    # (none when the arrays come from and go to projections of that shape: tests/test_aot_pallas_gqa.py).
+    # The forward and dQ grids step over GQA groups: K/V read once per kv head.
+    model=ScheduleModel(lse_row_bytes=4 * STAT_ROWS, delta_row_bytes=4 * STAT_ROWS, pads_head_dim=True,
+                        kernel_layout_copies=True, lse_copies_in_backward=0, kv_once_per_group=True),
 )

@@ -22,7 +22,9 @@ Three passes, so that every output block is owned by one grid cell and no atomic
    last two axes are the reduction: ``arbitrary``), summing into float32 VMEM scratch; so dK and dV
    come out already summed over the group and K/V are never repeated. It works on the transposed scores
    ``S^T = K Q^T`` ``[block_kv, block_q]`` so that logsumexp and delta, stored as rows
-   ``[.., 1 or 2, q_len]``, broadcast along sublanes without a transpose.
+   ``[batch, heads, 8, q_len]`` (:data:`tpuattn.pallas.layout.STAT_ROWS`), broadcast along sublanes
+   without a transpose. The q-major passes 1 and 2 need them as columns of their ``[block_q, ...]``
+   tiles and transpose each head's ``(8, block_q)`` block in VMEM.
 
 All skip hidden tiles exactly as the forward does (:func:`tpuattn.pallas.plan.scheduled_step`).
 
@@ -38,7 +40,7 @@ the oracle suite's 1e-4 for some upstream gradients (``benchmarks/backward_accur
 
 The price of pass 1: per visible tile it re-reads K and V and does two matmuls (``Q K^T`` and
 ``dO V^T``) on top of the seven of passes 2 and 3 (about 2/7 more backward FLOPs), and writes delta
-as a lane-replicated ``[batch, heads, q_len, 128]`` float32 array. Folding it into the dQ kernel as a
+as float32 rows ``[batch, heads, 8, q_len]`` (32 bytes a query row). Folding it into the dQ kernel as a
 first sweep over the kv blocks would save that array and one launch, not the matmuls or the K/V
 reads; a separate pass keeps each kernel one loop.
 """
@@ -55,7 +57,15 @@ from jax.experimental.pallas import tpu as pltpu
 from tpuattn._checks import round_up
 from tpuattn.numerics import matmul_precision, pad_to_multiple
 from tpuattn.pallas import compat, plan
-from tpuattn.pallas.layout import LANES, NT_DIMS, STAT_ROWS, SUBLANES, Layout, segment_layouts, tile_visibility
+from tpuattn.pallas.layout import (
+    LANES,
+    NT_DIMS,
+    STAT_ROWS,
+    SUBLANES,
+    Layout,
+    segment_layouts,
+    tile_visibility,
+)
 
 
 def _softcap_grad(s_scaled, softcap):

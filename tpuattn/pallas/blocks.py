@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tpuattn import chips
 from tpuattn._checks import is_int, positive_int, round_up
-from tpuattn.pallas.layout import LANES, SUBLANES, padded_head_dim
+from tpuattn.pallas.layout import LANES, STAT_ROWS, SUBLANES, padded_head_dim
 
 
 def _check(name: str, value, multiple_of: int) -> int:
@@ -150,8 +150,8 @@ def dq_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int, q_h
 
     inputs q, dO (per head) and k, v, double-buffered:
                                                2 * 2 * (q_heads * block_q + block_kv) * head_dim * itemsize
-    float32 logsumexp and delta, 128 lanes, double-buffered:
-                                               2 * 2 * q_heads * block_q * 128 * 4
+    float32 logsumexp and delta, 8-sublane rows, double-buffered, and delta's 128-lane scratch:
+                                               2 * 2 * q_heads * block_q * 8 * 4 + q_heads * block_q * 128 * 4
     output dQ, double-buffered, and its float32 scratch:
                                                q_heads * block_q * head_dim * (2 * itemsize + 4)
     float32 temporaries (s, p, dp, ds):        4 * 4 * block_q * block_kv   (one head at a time)
@@ -160,7 +160,7 @@ def dq_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int, q_h
     at one head a step sizes the backward blocks.
     """
     inputs = 4 * (q_heads * block_q + block_kv) * head_dim * itemsize
-    rows = 16 * q_heads * block_q * LANES
+    rows = 16 * q_heads * block_q * STAT_ROWS + 4 * q_heads * block_q * LANES
     output = q_heads * block_q * head_dim * (2 * itemsize + 4)
     return inputs + rows + output + 16 * block_q * block_kv
 

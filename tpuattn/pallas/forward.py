@@ -4,10 +4,11 @@ Grid ``(batch, head_block, q_block, kv_step)``. A head block is the query heads 
 (or a divisor of it, where the chip's VMEM asks: :func:`tpuattn.pallas.plan.q_heads_per_step`): a
 step loops over them against one K/V block, so each K/V block is fetched once per group, not once
 per query head, and a 16-query/2-kv-head problem takes the grid steps of a 2/2 one. Each head of a
-block is a whole (sublane, lane) tile: lane columns of the free view ``[batch, seq, heads * head_dim]``
-(head_dim a multiple of 128), or a leading axis of the padded heads-first copy otherwise. The first three axes are independent (``parallel``: Mosaic may split them
-across TensorCores); the kv axis is a reduction into VMEM scratch that lives across its steps, so it
-must run in order on one core (``arbitrary``) and be the last (fastest) axis.
+block is a whole (sublane, lane) tile: lane columns of the view ``[batch, seq, heads * head_dim]``
+(head_dim a multiple of 128), or a leading axis of the padded heads-first copy otherwise. The first
+three axes are independent (``parallel``: Mosaic may split them across TensorCores); the kv axis is
+a reduction into VMEM scratch that lives across its steps, so it must run in order on one core
+(``arbitrary``) and be the last (fastest) axis.
 
 The layout (:class:`tpuattn.pallas.layout.Layout`) is :mod:`tpuattn.pallas.layout`'s;
 the schedule, index maps and step guard are :mod:`tpuattn.pallas.plan`'s.
@@ -25,7 +26,15 @@ from jax.experimental.pallas import tpu as pltpu
 from tpuattn._checks import round_up
 from tpuattn.numerics import apply_softcap, matmul_precision
 from tpuattn.pallas import compat, plan
-from tpuattn.pallas.layout import LANES, NT_DIMS, STAT_ROWS, SUBLANES, Layout, segment_layouts, tile_visibility
+from tpuattn.pallas.layout import (
+    LANES,
+    NT_DIMS,
+    STAT_ROWS,
+    SUBLANES,
+    Layout,
+    segment_layouts,
+    tile_visibility,
+)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -87,8 +96,8 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
         log_l = jnp.where(seen, jnp.log(jnp.where(seen, l_sum, 1.0)), 0.0)
         lane = jax.lax.broadcasted_iota(jnp.int32, m.shape[1:], 1)
         for h in range(q_heads):  # each head's [block_q, head_dim] tile of the output block
-            o_ref[layout.head(h)] = jnp.where(
-                seen[h, :, :1], acc_ref[h] / jnp.where(seen[h], l_sum[h], 1.0)[:, :1], 0.0).astype(o_ref.dtype)
+            out = jnp.where(seen[h, :, :1], acc_ref[h] / jnp.where(seen[h], l_sum[h], 1.0)[:, :1], 0.0)
+            o_ref[layout.head(h)] = out.astype(o_ref.dtype)
             stats = jnp.where(lane == 0, m[h], jnp.where(lane == 1, log_l[h], jnp.where(
                 lane == 2, seen[h].astype(jnp.float32), 0.0)))  # [block_q, 128]: one statistic per lane
             # As rows (8, block_q), queries on lanes: 32 bytes a row in HBM, not 512.

@@ -8,12 +8,15 @@ hidden by the mask's ``kv_idx < kv_len``, padded query rows are sliced off.
 :class:`Layout` picks one of two views per call:
 
 * **columns** (``head_dim`` a multiple of 128): the contract's array reshaped to
-  ``[batch, seq, heads * head_dim]``, which is free (no data moves). Head ``h`` is the lane columns
-  ``h * head_dim ...``, so a block of ``q_heads`` heads of one query block is
+  ``[batch, seq, heads * head_dim]``. Where the arrays come from a projection of that shape (and O goes
+  into one) the reshapes cancel and nothing moves outside the kernels; arguments in the contract's
+  shape are relaid out once on a TPU, which tiles an array's last two dimensions: ``(heads,
+  head_dim)`` there, ``(seq, heads * head_dim)`` here (``tests/test_aot_pallas_gqa.py``). Head ``h``
+  is the lane columns ``h * head_dim ...``, so a block of ``q_heads`` heads of one query block is
   ``(None, block_q, q_heads * head_dim)`` and one kv head's K/V block is ``(None, block_kv, head_dim)``:
   both obey the TPU tiling rule (the last two block dims multiples of (8, 128)). A kernel takes head
-  ``h`` of a block with a lane slice at a multiple of 128 (:meth:`Layout.head`). Nothing is copied
-  unless a sequence must be padded to its block multiple.
+  ``h`` of a block with a lane slice at a multiple of 128 (:meth:`Layout.head`). A sequence that
+  is not a multiple of its block is padded (a copy).
 * **heads first** (any other ``head_dim``): ``[batch, heads, seq_padded, head_dim padded to 128]``, a
   transposing copy in and out. Why not columns there: a head of 64 lanes is half a lane tile, and a
   BlockSpec that picks one head of ``[batch, seq, heads, head_dim]``, ``(None, block, None,
@@ -85,7 +88,7 @@ class Layout:
         return to_kernel_layout(x, block)
 
     def result(self, x, seq_len: int, heads: int, head_dim: int):
-        """A kernel's output back to ``[batch, seq_len, heads, head_dim]`` (the inverse of :meth:`operand`)."""
+        """A kernel's output back to ``[batch, seq_len, heads, head_dim]`` (inverse of :meth:`operand`)."""
         if self.columns:
             return x[:, :seq_len].reshape(x.shape[0], seq_len, heads, head_dim)
         return from_kernel_layout(x, seq_len, head_dim)

@@ -164,7 +164,8 @@ def _lse_in(m, log_l):
 def _partial_out(out, stats) -> softmax.Partial:
     """The forward's float32 output and ``[b, h, 3, q_len]`` rows ``(m, log l, seen)`` as a Partial."""
     seen = stats[:, :, 2] > 0
-    return softmax.Partial(out, jnp.where(seen, stats[:, :, 0], -jnp.inf), jnp.where(seen, stats[:, :, 1], 0.0))
+    m, log_l = stats[:, :, 0], stats[:, :, 1]
+    return softmax.Partial(out, jnp.where(seen, m, -jnp.inf), jnp.where(seen, log_l, 0.0))
 
 
 def partial_forward(q, k, v, segment_ids, spec, **options):
