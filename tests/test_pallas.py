@@ -510,3 +510,33 @@ def test_numpy_integer_block_sizes_are_accepted():
         np.testing.assert_allclose(out, oracle_attention(q, k, v, causal=True), atol=FWD_TOL, rtol=FWD_TOL)
         for name, got, want in zip("qkv", grads, oracle_grads(q, k, v, d_out, causal=True), strict=True):
             np.testing.assert_allclose(got, want, atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=f"d{name}")
+
+
+# ------------------------------------------------------------------ the schedule as arithmetic
+@pytest.mark.parametrize("transpose", [False, True], ids=["q-major", "kv-major"])
+def test_the_interval_rule_gives_the_tables_build_schedule_builds(transpose):
+    """plan.schedule computes a position-only schedule from the block indices (no SMEM table); its
+    arithmetic, evaluated over the grid, equals build_schedule's tables from MaskSpec.block_map: index,
+    needs_mask, count and the grid length, on a grid of lengths, blocks, masks and shifts."""
+    from tpuattn.spec import MaskSpec
+
+    lengths = [(256, 256), (200, 328), (328, 200), (1000, 1000), (64, 640)]
+    masks = [dict(), dict(causal=True), dict(window=(100, 0)), dict(causal=True, window=(300, None)),
+             dict(window=(0, 50)), dict(window=(130, 130)), dict(causal=True, shift=256),
+             dict(causal=True, shift=-128)]
+    checked = 0
+    for q_len, kv_len in lengths:
+        for kw in masks:
+            mask = MaskSpec(q_len, kv_len, **kw)
+            for bq, bk in ((128, 128), (64, 256), (256, 128)):
+                tq, tk = -(-q_len // bq) * bq, -(-kv_len // bk) * bk
+                rule = plan.schedule(mask, bq, bk, tq, tk, transpose=transpose)
+                tables = plan.build_schedule(plan.position_map(mask, bq, bk, tq, tk, transpose=transpose))
+                assert rule.rule is not None and tables.rule is None
+                assert (rule.steps, rule.num_outer, rule.num_inner) == (tables.steps, tables.num_outer,
+                                                                        tables.num_inner), (mask, bq, bk)
+                for got, want, what in zip(rule.tables(), tables.tables(), ("index", "needs_mask", "count"),
+                                           strict=True):
+                    np.testing.assert_array_equal(got, want, err_msg=f"{what}: {mask}, {bq} x {bk}")
+                checked += 1
+    assert checked == len(lengths) * len(masks) * 3

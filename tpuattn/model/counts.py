@@ -1,7 +1,7 @@
 """Counts of the Pallas kernel's block schedule: the grid walk and the HBM bytes it moves.
 
 Everything here reads the schedule the kernel itself runs (:mod:`tpuattn.pallas.plan`): the same
-``build_schedule`` arrays, the same BlockSpec index maps, walked over the same grid. Nothing
+``plan.schedule`` (its tables, or its rule evaluated), the same BlockSpec index maps, walked over the same grid. Nothing
 re-derives which tiles a mask hides. (Pictures of it: :mod:`tpuattn.viz.grid`.)
 
 * :func:`grid_walk` -- the forward grid ``(q block, kv step)`` as the pipeline visits it:
@@ -90,8 +90,8 @@ def grid_walk(spec: AttentionSpec, block_sizes=None) -> GridWalk:
     fb = blocks.forward.clamp(spec.q_len, spec.kv_len)  # as the kernel clamps them
     bq, bk = fb.block_q, fb.block_kv
     tq, tk = round_up(spec.q_len, bq), round_up(spec.kv_len, bk)
-    sched = plan.build_schedule(plan.position_map(spec.mask, bq, bk, tq, tk))
-    prefetch = tuple(np.asarray(a) for a in sched.arrays())
+    sched = plan.schedule(spec.mask, bq, bk, tq, tk)  # the kernel's own (positions only)
+    prefetch = sched.tables()
     maps = plan.forward_index_maps(sched, 1)
     grid = (1, 1, sched.num_outer, sched.steps)
     fetched = plan.walk_grid(maps["kv"], grid, prefetch)[0, 0]

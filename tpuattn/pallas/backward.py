@@ -178,7 +178,7 @@ def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, head_bloc
 
 # --------------------------------------------------------------------------- the passes
 class _Problem:
-    """What the three passes share: blocks, padded operands, segment layouts, the position map."""
+    """What the three passes share: blocks, padded operands, segment layouts, the kernels' arguments."""
 
     def __init__(self, q, k, v, segment_ids, lse, d_out, spec, blocks, interpret):
         bb = blocks.clamp(spec.q_len, spec.kv_len)
@@ -192,7 +192,6 @@ class _Problem:
         # Padded query rows: logsumexp 0 and dO 0, so their P is finite and their dS is 0.
         self.lse = pad_to_multiple(pad_to_multiple(lse, 2, STAT_ROWS), 3, self.bq)  # [b, h, 8, tq] rows
         self.segs = segment_layouts(segment_ids, self.bq, self.bk) if segment_ids is not None else None
-        self.pos_map = plan.position_map(spec.mask, self.bq, self.bk, self.tq, self.tk)
         self.kernel_args = dict(mask=spec.mask, scale=spec.scale, softcap=spec.softcap, block_q=self.bq,
                                 block_kv=self.bk, has_segments=self.segs is not None,
                                 precision=matmul_precision(q.dtype), layout=self.layout)
@@ -205,7 +204,7 @@ def _q_major_pass(pb: _Problem, delta=None):
     """Passes 1 and 2 on the forward's grid: rowsum(P * dP) when ``delta`` is None, else dQ."""
     spec, bq, bk, layout = pb.spec, pb.bq, pb.bk, pb.layout
     row_sums_only = delta is None
-    sched = plan.build_schedule(pb.pos_map, pb.overlap())
+    sched = plan.schedule(spec.mask, bq, bk, pb.tq, pb.tk, pb.overlap())
     hq = plan.q_heads_per_step(spec, "dq", bq, bk)
     maps = plan.forward_index_maps(sched, spec.group_size, hq)
     q_spec = pl.BlockSpec(layout.block(hq, bq), layout.index_map(maps["q"]))
@@ -245,7 +244,7 @@ def _q_major_pass(pb: _Problem, delta=None):
 def _dkv_pass(pb: _Problem, delta):
     """Pass 3: dK, dV (kv-major schedule, the group's query heads looped inside)."""
     spec, bq, bk, d, group, layout = pb.spec, pb.bq, pb.bk, pb.d, pb.spec.group_size, pb.layout
-    sched = plan.build_schedule(pb.pos_map.T, pb.overlap(transpose=True))
+    sched = plan.schedule(spec.mask, bq, bk, pb.tq, pb.tk, pb.overlap(transpose=True), transpose=True)
     hq = plan.q_heads_per_step(spec, "dkv", bq, bk)
     maps = plan.dkv_index_maps(sched, group, hq)
     q_spec = pl.BlockSpec(layout.block(hq, bq), layout.index_map(maps["q"]))

@@ -127,7 +127,7 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
     if segment_ids is not None:
         segs = segment_layouts(segment_ids, bq, bk)
         overlap = plan.schedule_overlap(segs, bq, bk, interpret)
-    sched = plan.build_schedule(plan.position_map(spec.mask, bq, bk, tq, tk), overlap)
+    sched = plan.schedule(spec.mask, bq, bk, tq, tk, overlap)
     hq = plan.q_heads_per_step(spec, "forward", bq, bk)
     maps = plan.forward_index_maps(sched, spec.group_size, hq)
 

@@ -71,9 +71,17 @@ class Schedule:
     num_inner: int
     steps: int
     per_batch: bool
+    rule: IntervalRule | None = None  # the tables as arithmetic (positions only): see IntervalRule
 
     def arrays(self):
+        """What the kernel gets as scalar prefetch (one-element placeholders for a rule's schedule)."""
         return self.index, self.needs_mask, self.count
+
+    def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(index, needs_mask, count)`` as NumPy arrays, flattened as in SMEM (a rule's evaluated)."""
+        if self.rule is None:
+            return tuple(np.asarray(a) for a in self.arrays())
+        return self.rule.tables(self.steps)
 
     def row(self, b):
         """The schedule row used by batch element ``b`` (a Python int or a traced program id)."""
@@ -149,6 +157,118 @@ def build_schedule(pos_map: np.ndarray, overlap=None) -> Schedule:
                     num_outer=num_outer, num_inner=num_inner, steps=steps, per_batch=overlap is not None)
 
 
+def _div(x, d: int, xp):
+    """``x // d`` for ``x >= 0``: truncating ``lax.div`` on traced scalars (floor division lowers
+    through ``sign`` in a kernel), ``//`` on NumPy arrays and Python ints."""
+    if xp is np or isinstance(x, int | np.integer):
+        return x // d
+    return jax.lax.div(x, jnp.asarray(d, x.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class IntervalRule:
+    """A position-only schedule as arithmetic on the block indices, instead of tables in SMEM.
+
+    The keys a query row sees form an interval that moves right with the row (``MaskSpec``: causal,
+    windows, bottom-right alignment, a shift), so the inner blocks an outer block visits are a
+    contiguous range ``[first, last]``, and a tile is FULL when every row of it sees every key of it.
+    Both are a few integer operations on the block indices, so the index maps and the kernel body
+    compute them from the grid position: no table grows with (queries / block) x (keys / block), which
+    at 524,288 tokens overflowed SMEM. :meth:`tables` evaluates the same arithmetic with NumPy, so
+    the counts (:func:`kv_schedule`) and the tests see exactly what the kernel computes; they equal
+    :func:`build_schedule`'s tables (``tests/test_pallas.py``).
+
+    ``transpose``: the outer blocks are kv blocks (the dK/dV pass), the inner ones query blocks.
+    """
+
+    q_len: int
+    kv_len: int
+    offset: int
+    left: int | None
+    right: int | None
+    block_q: int
+    block_kv: int
+    transpose: bool
+    has_segments: bool
+    num_outer: int
+    num_inner: int
+    first_outer: int  # the first outer block that visits something (num_outer if none does)
+    park: int  # where an empty outer block after it parks: the last block the previous ones visited
+
+    @classmethod
+    def of(cls, mask, block_q: int, block_kv: int, q_len_padded: int, kv_len_padded: int, *,
+           transpose: bool = False) -> IntervalRule:
+        nq, nk = q_len_padded // block_q, kv_len_padded // block_kv
+        rule = cls(q_len=mask.q_len, kv_len=mask.kv_len, offset=mask.offset, left=mask.left_reach,
+                   right=mask.right_reach, block_q=block_q, block_kv=block_kv, transpose=transpose,
+                   has_segments=mask.has_segments, num_outer=nk if transpose else nq,
+                   num_inner=nq if transpose else nk, first_outer=0, park=0)
+        _, last, count = np.broadcast_arrays(*rule.span(np.arange(rule.num_outer), np))
+        visits = np.flatnonzero(count > 0)
+        first_outer = int(visits[0]) if visits.size else rule.num_outer
+        park = int(last[visits[-1]]) if visits.size else 0
+        if visits.size and (visits[-1] - visits[0] + 1 != visits.size):
+            raise AssertionError("outer blocks that visit something are not contiguous")  # monotone rows
+        return dataclasses.replace(rule, first_outer=first_outer, park=park)
+
+    def span(self, outer, xp):
+        """``(first, last, count)`` of the inner blocks outer block ``outer`` visits."""
+        mx, mn = xp.maximum, xp.minimum
+        if not self.transpose:  # rows r0..r1 of q block `outer`; keys [lo, hi)
+            r0 = outer * self.block_q
+            r1 = mn(r0 + self.block_q, self.q_len) - 1
+            lo = 0 if self.left is None else mx(r0 + self.offset - self.left, 0)
+            hi = self.kv_len if self.right is None else mn(r1 + self.offset + self.right + 1, self.kv_len)
+            visits = (r0 < self.q_len) & (lo < hi)
+            first, last = _div(mx(lo, 0), self.block_kv, xp), _div(mx(hi - 1, 0), self.block_kv, xp)
+        else:  # keys k0..k1 of kv block `outer`; the rows that see one of them: [lo, hi]
+            k0 = outer * self.block_kv
+            k1 = mn(k0 + self.block_kv, self.kv_len) - 1
+            lo = 0 if self.right is None else mx(k0 - self.offset - self.right, 0)
+            hi = self.q_len - 1 if self.left is None else mn(k1 + self.left - self.offset, self.q_len - 1)
+            visits = (k0 < self.kv_len) & (lo <= hi)
+            first, last = _div(mx(lo, 0), self.block_q, xp), _div(mx(hi, 0), self.block_q, xp)
+        count = xp.where(visits, last - first + 1, 0)
+        return first, last, count
+
+    def full(self, outer, inner, xp):
+        """Does every (valid) row of the tile see every key of it? (Never with segment ids.)"""
+        i, j = (inner, outer) if self.transpose else (outer, inner)
+        r0 = i * self.block_q
+        r1 = xp.minimum(r0 + self.block_q, self.q_len) - 1
+        lo = 0 if self.left is None else xp.maximum(r1 + self.offset - self.left, 0)
+        hi = self.kv_len if self.right is None else xp.minimum(r0 + self.offset + self.right + 1, self.kv_len)
+        whole = (lo <= j * self.block_kv) & ((j + 1) * self.block_kv <= hi)
+        return whole & (not self.has_segments)
+
+    def index(self, outer, step, xp):
+        """The inner block step ``step`` of outer block ``outer`` names (parked when it visits none)."""
+        first, last, count = self.span(outer, xp)
+        park = xp.where(outer < self.first_outer, 0, self.park)
+        return xp.where(count > 0, xp.minimum(first + step, last), park)
+
+    def tables(self, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        outer, step = np.meshgrid(np.arange(self.num_outer), np.arange(steps), indexing="ij")
+        index = self.index(outer, step, np).astype(np.int32)
+        needs_mask = np.where(self.full(outer, index, np), 0, 1).astype(np.int32)
+        count = self.span(np.arange(self.num_outer), np)[2].astype(np.int32)
+        return index.reshape(-1), needs_mask.reshape(-1), count
+
+
+def schedule(mask, block_q: int, block_kv: int, q_len_padded: int, kv_len_padded: int, overlap=None, *,
+             transpose: bool = False) -> Schedule:
+    """A pass's schedule: :class:`IntervalRule` arithmetic for positions alone (no table, whatever the
+    length), :func:`build_schedule`'s tables where segment ids decide (``overlap``, per batch row)."""
+    if overlap is not None:
+        return build_schedule(position_map(mask, block_q, block_kv, q_len_padded, kv_len_padded,
+                                           transpose=transpose), overlap)
+    rule = IntervalRule.of(mask, block_q, block_kv, q_len_padded, kv_len_padded, transpose=transpose)
+    steps = max(1, int(rule.span(np.arange(rule.num_outer), np)[2].max(initial=0)))
+    placeholder = jnp.zeros((1,), jnp.int32)
+    return Schedule(index=placeholder, needs_mask=placeholder, count=placeholder, num_outer=rule.num_outer,
+                    num_inner=rule.num_inner, steps=steps, per_batch=False, rule=rule)
+
+
 # --------------------------------------------------------------------------- inside a kernel
 def _flat(sched: Schedule, b, outer, step):
     """Position of grid step ``step`` of outer block ``outer`` (batch ``b``) in the flat tables."""
@@ -156,8 +276,11 @@ def _flat(sched: Schedule, b, outer, step):
 
 
 def visited_block(sched: Schedule, index_ref, b, outer, step):
-    """The inner block grid step ``step`` of outer block ``outer`` names (read from SMEM): what every
-    streamed operand's index map returns, and what the kernel body computes on."""
+    """The inner block grid step ``step`` of outer block ``outer`` names (read from SMEM, or computed by
+    the schedule's rule): what every streamed operand's index map returns, and what the kernel body
+    computes on."""
+    if sched.rule is not None:
+        return sched.rule.index(outer, step, np if isinstance(outer, int | np.integer) else jnp)
     return index_ref[_flat(sched, b, outer, step)]
 
 
@@ -182,10 +305,16 @@ def scheduled_step(sched: Schedule, prefetch_refs, b, outer, step, update) -> No
     FULL tile pays no mask arithmetic.
     """
     index_ref, needs_mask_ref, count_ref = prefetch_refs
-    flat = _flat(sched, b, outer, step)
-    active = step < count_ref[sched.row(b) * sched.num_outer + outer]
-    needs_mask = needs_mask_ref[flat] != 0
-    inner = index_ref[flat]
+    if sched.rule is not None:
+        _, _, count = sched.rule.span(outer, jnp)
+        inner = sched.rule.index(outer, step, jnp)
+        active = step < count
+        needs_mask = jnp.logical_not(sched.rule.full(outer, inner, jnp))
+    else:
+        flat = _flat(sched, b, outer, step)
+        active = step < count_ref[sched.row(b) * sched.num_outer + outer]
+        needs_mask = needs_mask_ref[flat] != 0
+        inner = index_ref[flat]
     pl.when(jnp.logical_and(active, needs_mask))(lambda: update(inner, True))
     pl.when(jnp.logical_and(active, jnp.logical_not(needs_mask)))(lambda: update(inner, False))
 
@@ -366,7 +495,7 @@ def _pass_schedule(spec, pass_name, blocks, segment_ids):
     if segment_ids is not None:
         q_seg, kv_seg = padded_segment_ids([jnp.asarray(s, jnp.int32) for s in segment_ids], bq, bk)
         overlap = segment_overlap(q_seg, kv_seg, bq, bk, transpose=transpose)
-    sched = build_schedule(position_map(spec.mask, bq, bk, tq, tk, transpose=transpose), overlap)
+    sched = schedule(spec.mask, bq, bk, tq, tk, overlap, transpose=transpose)
     return sched, bq, bk, tq // bq, tk // bk
 
 
@@ -385,7 +514,7 @@ def kv_schedule(spec, block_sizes=None, segment_ids=None, pass_name: str = "forw
             "segment_ids: expected (q_segment_ids, kv_segment_ids) for a spec with segments, got None")
     blocks = as_block_sizes(block_sizes, spec.head_dim, spec.dtype)
     sched, bq, bk, nq, nk = _pass_schedule(spec, pass_name, blocks, segment_ids)
-    prefetch = tuple(np.asarray(a) for a in sched.arrays())
+    prefetch = sched.tables()
     count = prefetch[2].reshape(-1, sched.num_outer)
     rows = count.shape[0]
     index = prefetch[0].reshape(rows, sched.num_outer, sched.steps)
