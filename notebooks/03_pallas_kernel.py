@@ -1003,7 +1003,11 @@ for name, grad_fn in candidates.items():
 #   query block it lists the visible kv blocks first and repeats the last one, and passes that
 #   list to the kernel as *scalar prefetch* (SMEM). The grid's kv axis is only as long as the
 #   longest list -- a sliding window shortens the grid itself -- and tiles that every row sees
-#   whole skip the mask arithmetic;
+#   whole skip the mask arithmetic. For positions alone (no segment ids) the package computes the
+#   same lists from the block indices (`plan.IntervalRule`: a query block's visible kv blocks are one
+#   contiguous range), so no table grows with the length: compiled for v5p, one call takes 1,048,576
+#   tokens (`tests/test_aot_million.py`), where tables of (queries / block) x (keys / block) entries
+#   asked for 16 MiB of its 1 MiB of SMEM;
 # * windows, segment ids (empty rows return zeros), softcap, GQA/MQA, the saved logsumexp and
 #   the two backward kernels; block sizes as a small validated dataclass;
 # * **no layout copies** where head_dim is a multiple of 128: instead of transposing to

@@ -18,7 +18,12 @@ runs under ``pl.when(step < count)`` so nothing is computed. ``needs_mask`` is 0
 every row sees entirely (no iota/compare/select needed). The grid length is the largest
 count, so a sliding window also shortens the grid itself.
 
-Positions give the schedule at trace time (``MaskSpec.block_map``). Segment ids are data:
+Positions alone need no arrays at all: the visited blocks of an outer block are a contiguous range
+and a FULL tile is an interval test, so :class:`IntervalRule` computes ``index``, ``needs_mask`` and
+``count`` from the block indices inside the index maps and the kernel (:func:`schedule` picks it), and
+the tables above are what its arithmetic evaluates to (``MaskSpec.block_map`` gives the same at trace
+time; a test holds the two equal). Tables of (queries / block) x (keys / block) entries would not fit
+SMEM at half a million tokens. Segment ids are data:
 the per-block minimum and maximum segment id are computed in JAX before the kernel and a
 tile is kept only if the query block's [min, max] range meets the key block's; the grid
 length stays the position-only one and the schedule arrays become per-batch.
