@@ -33,7 +33,9 @@ def test_a_million_tokens_compile_for_v5p(mode):
     assert arrays * ARRAY <= row["peak_hbm_bytes"] <= 2 * arrays * ARRAY, row["peak_hbm_bytes"]
 
 
-@pytest.mark.parametrize("topology, mode", [("v5e:2x4", "fwd"), ("v5p:2x2x2", "fwd"), ("v5p:2x2x2", "fwd+bwd")])
+@pytest.mark.parametrize(
+    "topology, mode", [("v5e:2x4", "fwd"), ("v5p:2x2x2", "fwd"), ("v5p:2x2x2", "fwd+bwd")]
+)
 def test_the_all_gather_strategy_compiles_at_a_million_tokens(topology, mode):
     # The sequence sharded over the slice's 8 devices, K/V gathered, each device's queries through
     # the Pallas kernel: 131,072 queries against 1,048,576 keys per device.

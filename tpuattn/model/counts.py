@@ -1,8 +1,8 @@
 """Counts of the Pallas kernel's block schedule: the grid walk and the HBM bytes it moves.
 
 Everything here reads the schedule the kernel itself runs (:mod:`tpuattn.pallas.plan`): the same
-``plan.schedule`` (its tables, or its rule evaluated), the same BlockSpec index maps, walked over the same grid. Nothing
-re-derives which tiles a mask hides. (Pictures of it: :mod:`tpuattn.viz.grid`.)
+``plan.schedule`` (its tables, or its rule evaluated), the same BlockSpec index maps, walked over the
+same grid. Nothing re-derives which tiles a mask hides. (Pictures of it: :mod:`tpuattn.viz.grid`.)
 
 * :func:`grid_walk` -- the forward grid ``(q block, kv step)`` as the pipeline visits it:
   which kv block each step names, whether it computes, whether it issues a DMA;
