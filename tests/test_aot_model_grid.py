@@ -123,11 +123,18 @@ def test_hbm_resident_bytes_count_what_the_buffer_assignment_left_in_hbm():
         aot.hbm_resident_bytes("HloModule empty")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the blockwise model charges each visited tile's S and P a round trip through HBM (0.443 GB at 2048 "
-    "tokens, forward), but XLA:TPU keeps the step's tiles in VMEM: the compiled program's HBM-resident "
-    "bytes are 0.089 GB (its bytes accessed, 0.579 GB, count VMEM operands too)"))
-def test_the_blockwise_bound_is_below_what_its_compiled_program_moves():
-    text, _ = _compiled_text("v5e", "blockwise", "fwd", 2048)
-    bound = modelled("v5e", "blockwise", "fwd", 2048).hbm_bytes
-    assert bound <= aot.hbm_resident_bytes(text)
+# The blockwise (pure-JAX online softmax) bound against what its compiled program moves through HBM:
+# forward at 2048 and 8192 tokens, forward+backward at 2048, on v5e and v6e. A bound above the compiled
+# traffic would be a bound no run could meet. At 8192 tokens the backward is a known gap (compiled, not
+# run: v5e 9.8 GB modelled against 4.7 moved, v6e 15.0 against 14.4): XLA fuses the recomputed
+# exponentials and dS into the matmuls, where the model still writes and reads back each f32 tile.
+BLOCKWISE_CELLS = [(chip, mode, seq_len) for chip in CHIPS for mode, seq_len in
+                   (("fwd", 2048), ("fwd", 8192), ("fwd+bwd", 2048))]
+
+
+@pytest.mark.parametrize("chip, mode, seq_len", BLOCKWISE_CELLS)
+def test_the_blockwise_bound_is_below_what_its_compiled_program_moves(chip, mode, seq_len):
+    text, _ = _compiled_text(chip, "blockwise", mode, seq_len)
+    bound = modelled(chip, "blockwise", mode, seq_len).hbm_bytes
+    # the compulsory traffic at least: Q, K, V read and O written once
+    assert 4 * seq_len * 8 * 128 * 2 <= bound <= aot.hbm_resident_bytes(text)

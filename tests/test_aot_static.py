@@ -64,6 +64,22 @@ def test_package_kernels():
         assert row.label == "compiled (static)"
 
 
+def test_one_transcendental_per_score_and_a_softcap_adds_its_tanh():
+    # Each kernel computes one (block_q x block_kv) float32 score tile per branch (masked and not, both
+    # counted), 8 x 128 scores a vector register; its first matmul is that tile's Q K^T.
+    plain = {row.name: row for row in static.package_report("v5e", seq_len=1024, heads=1)}
+    capped = {row.name: row for row in static.package_report("v5e", seq_len=1024, heads=1, softcap=30.0)}
+    assert sorted(plain) == sorted(capped)
+    for name, row in plain.items():
+        m_rows, _, n_cols, _ = row.matmuls[0]
+        score_vregs = 2 * m_rows * n_cols // (8 * 128)
+        # one exp2 per score, plus per-row work (the rescale, log, reciprocal) far below one per score
+        assert score_vregs <= row.eup < 2 * score_vregs, (name, row.eup, score_vregs)
+        assert capped[name].eup - row.eup == score_vregs, (name, capped[name].eup, row.eup)
+        assert capped[name].valu > row.valu > score_vregs
+    assert static.LABEL in static.table(list(plain.values()))
+
+
 def test_bad_input_is_named(tmp_path):
     with pytest.raises(ValueError, match="code: expected Python source defining FN and ARGS"):
         static.dump("x = 1", "v5e", tmp_path)

@@ -103,9 +103,10 @@ def test_limit_spreads_the_rows_and_keeps_both_ends():
 
 
 def test_one_invocation_writes_one_whole_report(tmp_path):
-    # The slice preset's four sweeps (once four commands joined by &&) are one report's problems.
+    # The slice preset's four sweeps (once four commands joined by &&) are one report's problems: two
+    # slices x four lengths x ring and all-gather, then two forward+backward rows and two on v5e:2x2.
     problems, _ = slice_report.parse(["--slices", "--preset", "notebook"])
-    assert len(problems["sweeps"]) == 4 and len(slice_report.slice_jobs(problems)) == 18
+    assert len(problems["sweeps"]) == 4 and len(slice_report.slice_jobs(problems)) == 2 * (4 + 4) + 2 + 2
     doc = aot.document("slices", [{"a": (1, 2)}], command=["python", "-m", "tpuattn.aot", "--slices"],
                        problems=problems, label=slice_report.LABEL)
     csv_path, json_path = aot.save(doc, tmp_path, ["a"])

@@ -155,6 +155,13 @@ def test_transcendentals_are_counted_but_no_rate_is_invented():
             for impl in ("pallas", "splash")}
     assert both == {"pallas": 4 * fwd.transcendentals, "splash": 3 * fwd.transcendentals}
     assert roofline.cost("reference", spec, "fwd+bwd").transcendentals == 2 * 1024 * 1024  # every score once
+    # a softcap adds its tanh beside every exp, in every pass and every schedule
+    capped = roofline.problem(1024, heads=2, head_dim=128, causal=True, softcap=30.0)
+    for impl in ("pallas", "splash", "blockwise", "reference"):
+        for mode in ("fwd", "fwd+bwd"):
+            plain = roofline.cost(impl, spec, mode, q_block=128, kv_block=128).transcendentals
+            capped_count = roofline.cost(impl, capped, mode, q_block=128, kv_block=128).transcendentals
+            assert capped_count == 2 * plain > 0
     p = roofline.predict("pallas", spec, "v5e", "fwd")
     assert p.chip.transcendentals_per_second is None and p.vector_s is None
     assert p.time_s == max(p.compute_s, p.memory_s) and p.as_dict()["vector_s"] is None

@@ -30,6 +30,17 @@ def matmul(subscripts: str, a, b):
                       preferred_element_type=jnp.float32)
 
 
+LOG2_E = 1.4426950408889634  # log2(e): exp(x) = 2 ** (x * LOG2_E)
+
+
+def logits(s, scale: float, softcap: float | None):
+    """The Pallas kernels' logits from the raw products ``s = q . k``: ``s`` itself without a softcap
+    (the kernels fold ``scale`` into their exp2), else the capped ``softcap * tanh(s * (scale / softcap))``,
+    one multiply where ``apply_softcap(s * scale)`` makes two (and a divide). The forward and the
+    backward both call this, so the logits they compute are the same floats."""
+    return s if softcap is None else softcap * jnp.tanh(s * (scale / softcap))
+
+
 def apply_softcap(s, softcap):
     """``softcap * tanh(s / softcap)``, or ``s`` unchanged when softcap is None."""
     return s if softcap is None else softcap * jnp.tanh(s / softcap)

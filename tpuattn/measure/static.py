@@ -46,6 +46,12 @@ MXU_DIM = {"v2": 128, "v3": 128, "v4": 128, "v5e": 128, "v5p": 128, "v6e": 256, 
 _BUNDLE = re.compile(r"^\s*(?:0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:\s*(>*)\s*\{")
 _MATMUL = re.compile(r"tpu\.matmul .*?: vector<(\d+)x(\d+)x(\w+)>, vector<[^>]*>, vector<[^>]*> -> "
                      r"vector<(\d+)x(\d+)x\w+>")
+_OPCODE = re.compile(r"=\s*(v[a-z0-9]+(?:\.[\w]+)*)")
+# The instructions counted as work per element (the vector ALUs) and as the transcendental unit's
+# (EUP) pushes; loads, stores, matmul pushes and result pops are neither. Names as libtpu prints them.
+VALU_OPS = frozenset({"vadd", "vsub", "vmul", "vmax", "vmin", "vsel", "vcmp", "vand", "vor", "vxor",
+                      "vpack", "vcvt", "vweird", "vmand", "vmor"})
+EUP_OPS = frozenset({"vpow2", "vtanh", "vrcp", "vlog2", "vrsqrt", "vexp", "vsqrt", "vsigmoid"})
 _CHILD = """
 import os, sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -69,6 +75,8 @@ class KernelStatic:
     loop_depth: int            # how many loops enclose the innermost bundles (the grid is one)
     loop_bundles: int          # bundles at that depth: one trip of the innermost loop
     vmatmul: int               # vmatmul instructions inside the loop (every branch)
+    valu: int                  # vector-ALU arithmetic inside the loop (vadd, vsub, vmul, vmax, vsel, ...)
+    eup: int                   # pushes to the transcendental unit inside the loop (vpow2, vtanh, vrcp, ...)
     matmuls: tuple             # (M, K, N, lhs dtype) of each tpu.matmul in the kernel's MLIR
     ideal_vmatmul: int | None  # the fewest vmatmuls those matmuls need on this chip's MXU
     label: str = LABEL
@@ -151,9 +159,10 @@ def kernel_names(out: str | os.PathLike) -> list[str]:
 
 
 def read_bundles(path: str | os.PathLike) -> dict:
-    """Count a final-bundles file: every bundle, the innermost loop's depth and bundles, and the
-    ``vmatmul`` instructions inside loops."""
-    depths, vmatmul = [], 0
+    """Count a final-bundles file: every bundle, the innermost loop's depth and bundles, the
+    ``vmatmul`` instructions inside loops, and in the innermost loop the vector-ALU arithmetic and
+    the transcendental unit's pushes (:data:`VALU_OPS`, :data:`EUP_OPS`)."""
+    depths, vmatmul, mnemonics = [], 0, []
     for line in Path(path).read_text().splitlines():
         match = _BUNDLE.match(line)
         if not match:
@@ -162,9 +171,12 @@ def read_bundles(path: str | os.PathLike) -> dict:
         depths.append(depth)
         if depth:
             vmatmul += len(re.findall(r"= vmatmul[.\s]", line))
+            mnemonics.append((depth, _OPCODE.findall(line)))
     deepest = max(depths, default=0)
+    inner = [op.split(".")[0] for depth, ops in mnemonics if depth == deepest for op in ops]
     return dict(bundles=len(depths), loop_depth=deepest,
-                loop_bundles=sum(d == deepest for d in depths) if deepest else 0, vmatmul=vmatmul)
+                loop_bundles=sum(d == deepest for d in depths) if deepest else 0, vmatmul=vmatmul,
+                valu=sum(op in VALU_OPS for op in inner), eup=sum(op in EUP_OPS for op in inner))
 
 
 def matmuls(mlir: str) -> tuple:
@@ -210,7 +222,7 @@ PACKAGE_CODE = """
 import jax, jax.numpy as jnp
 import tpuattn
 def attend(q, k, v):
-    return tpuattn.attention(q, k, v, causal={causal}, impl="pallas")
+    return tpuattn.attention(q, k, v, causal={causal}, softcap={softcap}, impl="pallas")
 def FN(q, k, v):
     loss = lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum()
     return {fn}
@@ -219,14 +231,15 @@ ARGS = [jax.ShapeDtypeStruct((1, {seq_len}, {heads}, {head_dim}), jnp.{dtype})] 
 
 
 def package_code(mode: str = "fwd+bwd", seq_len: int = 2048, heads: int = 2, head_dim: int = 128,
-                 dtype: str = "bfloat16", causal: bool = True) -> str:
+                 dtype: str = "bfloat16", causal: bool = True, softcap: float | None = None) -> str:
     """The child's source for ``attention(impl="pallas")`` (``fwd``: the forward kernel; ``fwd+bwd``:
     the forward and the backward's row-sum, dQ and dK/dV kernels)."""
     if mode not in ("fwd", "fwd+bwd"):
         raise ValueError(f"mode: expected 'fwd' or 'fwd+bwd', got {mode!r}")
     fn = "attend(q, k, v)" if mode == "fwd" else "jax.grad(loss, argnums=(0, 1, 2))(q, k, v)"
     return PACKAGE_CODE.format(causal=bool(causal), fn=fn, seq_len=int(seq_len), heads=int(heads),
-                               head_dim=int(head_dim), dtype=dtype)
+                               head_dim=int(head_dim), dtype=dtype,
+                               softcap=None if softcap is None else float(softcap))
 
 
 def package_report(chip: str = "v5e", **problem) -> list[KernelStatic]:
@@ -237,10 +250,12 @@ def package_report(chip: str = "v5e", **problem) -> list[KernelStatic]:
 def table(rows: list[KernelStatic], chip: str = "v5e") -> str:
     """The rows as text, labelled."""
     lines = [f"{LABEL}, {chip}: per kernel, one grid step (the innermost loop), every branch counted",
-             f"{'kernel':<26}{'bundles':>9}{'loop bundles':>14}{'matmuls':>9}{'vmatmul':>9}{'ideal':>7}"]
+             f"{'kernel':<26}{'bundles':>9}{'loop bundles':>14}{'matmuls':>9}{'vmatmul':>9}{'ideal':>7}"
+             f"{'valu':>7}{'eup':>6}"]
     for row in rows:
         lines.append(f"{row.name:<26}{row.bundles:>9}{row.loop_bundles:>14}{len(row.matmuls):>9}"
-                     f"{row.vmatmul:>9}{row.ideal_vmatmul if row.ideal_vmatmul is not None else '-':>7}")
+                     f"{row.vmatmul:>9}{row.ideal_vmatmul if row.ideal_vmatmul is not None else '-':>7}"
+                     f"{row.valu:>7}{row.eup:>6}")
     return "\n".join(lines)
 
 
@@ -257,10 +272,11 @@ def main(argv=None) -> list[KernelStatic]:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--softcap", type=float, default=None)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         rows = package_report(args.chip, seq_len=args.seq_len, heads=args.heads, head_dim=args.head_dim,
-                              dtype=args.dtype)
+                              dtype=args.dtype, softcap=args.softcap)
     except DumpFailed as error:
         print(f"no static report: {error}", file=sys.stderr)
         raise SystemExit(2) from error

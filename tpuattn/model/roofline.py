@@ -35,15 +35,18 @@ the model takes f32 peak = bf16 peak / 6. That is a *modelled* number, not a pub
 * ``"flash (row-sum pass)"``: the same, with a third backward pass first that sums
   delta = rowsum(P * dP) over the visited tiles (tpuattn's Pallas kernel: two more matmuls per tile
   and one more read of K and V, for gradients that stay exact on nearly one-hot rows);
-* ``"blockwise (XLA loop)"``: the same tiles in a pure-JAX loop, but XLA keeps a loop's
-  intermediates in HBM: each visited tile's f32 score block and the running ``(acc, max, sum)``
-  state make a round trip through HBM.
+* ``"blockwise (XLA loop)"``: the same tiles in a pure-JAX loop, whose steps XLA runs as separate
+  fusions: each visited tile's f32 score block and the running ``(acc, max, sum)`` state make a
+  round trip through HBM, unless (given a chip) they fit the VMEM beside the kernels' scoped limit,
+  as XLA:TPU keeps them (``tests/test_aot_model_grid.py`` holds the bound below the compiled program's
+  HBM traffic; at 8192 tokens the backward's is a known gap: XLA fuses more than the model credits).
 
 The predicted time is the lower bound ``max(flops / peak, bytes / bandwidth)`` (:func:`predict`).
 The vector unit's work is counted (``Cost.transcendentals``: one exp per computed score and per pass
-that recomputes P), but no chip has a published exp rate to turn it into time (:data:`TRANSCENDENTALS`),
-so the bound leaves out the exps (which on TPUs can be the real limit for ``head_dim <= 128``),
-pipeline bubbles and launch overhead; measured times are therefore expected above it.
+that recomputes P, and with a softcap one tanh beside each exp), but no chip has a published exp
+rate to turn it into time (:data:`TRANSCENDENTALS`), so the bound leaves out the exps (which on TPUs
+can be the real limit for ``head_dim <= 128``), pipeline bubbles and launch overhead; measured times
+are therefore expected above it.
 
 **Peak HBM.** ``Cost.peak_hbm_bytes`` is the call's arguments and results plus the temporaries XLA:TPU
 leaves in HBM (:func:`_peak`): given a chip, a temporary may share a result's buffer or stay in the
@@ -202,16 +205,23 @@ def _as_chip_spec(chip) -> ChipSpec:
 
 # ----------------------------------------------------------------------------- problems
 def problem(seq_len: int, *, batch: int = 1, heads: int = 8, kv_heads: int | None = None, head_dim: int = 128,
-            dtype="bfloat16", causal: bool = False, kv_len: int | None = None, window=None):
+            dtype="bfloat16", causal: bool = False, kv_len: int | None = None, window=None,
+            softcap: float | None = None):
     """The :class:`tpuattn.AttentionSpec` of a modelled problem (no arrays needed), built by
-    :func:`tpuattn.spec.spec_from_shapes`; ``window`` as in :func:`tpuattn.attention`."""
+    :func:`tpuattn.spec.spec_from_shapes`; ``window`` and ``softcap`` as in :func:`tpuattn.attention`."""
     kv_heads = heads if kv_heads is None else kv_heads
     for arg, value in (("seq_len", seq_len), ("heads", heads), ("kv_heads", kv_heads)):
         positive_int(arg, value)
     if heads % kv_heads:
         raise ValueError(f"heads: expected a multiple of kv_heads={kv_heads}, got {heads}")
     return spec_from_shapes(seq_len, kv_len, batch=batch, num_q_heads=heads, num_kv_heads=kv_heads,
-                            head_dim=head_dim, dtype=dtype, causal=causal, window=window)
+                            head_dim=head_dim, dtype=dtype, causal=causal, window=window, softcap=softcap)
+
+
+def transcendentals_per_score(spec) -> int:
+    """Transcendental evaluations each time a pass computes a score: its exp, and with a softcap the
+    ``tanh`` of ``softcap * tanh(s / softcap)`` as well (the kernels and XLA evaluate both per score)."""
+    return 1 if spec.softcap is None else 2
 
 
 def standard_flops(spec, mode: str = "fwd") -> float:
@@ -397,7 +407,8 @@ def _materialised(impl: str, spec, mode: str, chip: ChipSpec | None = None) -> C
         breakdown += [("bwd: " + name + where, 0.0 if on_chip else per(p) * n)
                       for name, per in MATERIALISED_BWD_PASSES]
     # one exp per score in the forward; the backward reads the stored P
-    return Cost(impl=impl, mode=mode, schedule="materialised", flops=flops, transcendentals=float(n),
+    return Cost(impl=impl, mode=mode, schedule="materialised", flops=flops,
+                transcendentals=float(n * transcendentals_per_score(spec)),
                 standard_flops=standard_flops(spec, mode), hbm_bytes=sum(b for _, b in breakdown),
                 peak_hbm_bytes=float(peak), vmem_bytes=0.0, breakdown=tuple(breakdown), peak_breakdown=placed)
 
@@ -543,7 +554,8 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     # the dK/dV and dQ kernels (or the fused one)
     passes = 1 if mode == "fwd" else 1 + (1 if row_sum_pass else 0) + (1 if fused_backward else 2)
     return Cost(impl=impl, mode=mode, schedule=name, flops=flops,
-                transcendentals=float(passes * heads * visited * q_block * kv_block),
+                transcendentals=float(passes * heads * visited * q_block * kv_block
+                                      * transcendentals_per_score(spec)),
                 standard_flops=standard_flops(spec, mode),
                 hbm_bytes=sum(b for _, b in breakdown), peak_hbm_bytes=float(peak), vmem_bytes=float(vmem),
                 breakdown=tuple(breakdown), visited_fraction=visited / (nq * nk), peak_breakdown=placed)
@@ -558,7 +570,10 @@ def _kv_steps(mask: MaskSpec, q_block: int, kv_block: int) -> int:
 
 # Per-tile passes of the blockwise step over HBM, bytes per score element (``p`` as above).
 # XLA runs each step as separate fusions around the reductions, so the tile's scores and
-# probabilities are written to HBM and read back (assumed: no fusion across a reduction).
+# probabilities are written and read back: to HBM without a chip; given one, in the VMEM beside the
+# kernels' scoped limit where a step's tiles fit it (:func:`_peak`'s rule), and then they cost no HBM
+# traffic (XLA:TPU's blockwise at 2048 tokens on v5e moves 0.089 GB through HBM, where these passes
+# alone would be 0.38 GB: tests/test_aot_model_grid.py).
 BLOCKWISE_FWD_TILE_PASSES = (
     ("S tile = Q K^T: write (f32)", lambda p: 4),
     ("row max: read S", lambda p: 4),
@@ -575,12 +590,13 @@ BLOCKWISE_BWD_TILE_PASSES = (
 )
 
 
-def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int) -> Cost:
+def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int, chip: ChipSpec | None = None) -> Cost:
     """tpuattn.blockwise's schedule: one XLA step per (kv block, run of q blocks that see it).
 
     Each step is one batched matmul over all its query rows, all heads and the GQA group, so
-    K_t and V_t are read once per step (per kv head); the step's query rows, their f32
-    running state (acc, max, sum) and its score tile go through HBM.
+    K_t and V_t are read once per step (per kv head); the step's query rows and their f32
+    running state (acc, max, sum) go through HBM, and its score tiles too unless ``chip`` holds
+    them in VMEM (:data:`BLOCKWISE_FWD_TILE_PASSES`).
     """
     _check_blocks(q_block, kv_block)
     e = _itemsize(spec.dtype)
@@ -593,30 +609,51 @@ def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int) -> Cost:
     scores = q_heads * visited * q_block * kv_block
     flops = q_heads * visited * float(FORWARD_FLOPS_PER_SCORE) * q_block * kv_block * d
     state = q_block * d * 4 + 2 * q_block * 4  # acc, max, sum of one q block (f32)
+    q_bytes, kv_bytes, _ = _io_bytes(spec)
+    step_rows = q_block * max(1, -(-visited // max(steps, 1)))  # query rows of an average step
+    step_scores = spec.num_q_heads * spec.batch * step_rows * kv_block
+
+    def placed(buffers):  # name -> True where _peak's rule keeps the buffer in VMEM (given a chip)
+        return {what: where == "VMEM" for what, _, where in _peak(0, 0, [(w, b, "temp") for w, b in buffers],
+                                                                  chip)[1][2:]}
+
+    # What the forward's steps write and read back: the running state of every q block, a step's
+    # S and P. Each is traffic unless the chip's VMEM holds it.
+    fwd_vmem = placed([("state", q_heads * nq * state), ("S", 4 * step_scores), ("P", p * step_scores)])
+    tiles_on_chip = fwd_vmem["S"] and fwd_vmem["P"]
     breakdown = [
         ("read K, V (once per step, per kv head)", kv_heads * steps * 2 * kv_tile),
         ("read Q rows (per visited tile)", q_heads * visited * q_tile),
-        ("state (acc, max, sum): read + write per visited tile", q_heads * visited * 2 * state),
+        ("state (acc, max, sum): read + write per visited tile" + (" (on chip)" if fwd_vmem["state"] else ""),
+         0.0 if fwd_vmem["state"] else q_heads * visited * 2 * state),
         ("write O and logsumexp", q_heads * nq * (q_tile + 4 * q_block)),
     ]
-    breakdown += [("tile: " + name, per(p) * scores) for name, per in BLOCKWISE_FWD_TILE_PASSES]
-    q_bytes, kv_bytes, _ = _io_bytes(spec)
+    breakdown += [("tile: " + name + (" (on chip)" if tiles_on_chip else ""),
+                   0.0 if tiles_on_chip else per(p) * scores) for name, per in BLOCKWISE_FWD_TILE_PASSES]
     peak = 2 * q_bytes + 2 * kv_bytes + q_heads * nq * state
-    step_rows = q_block * max(1, -(-visited // max(steps, 1)))  # query rows of an average step
-    peak += spec.num_q_heads * spec.batch * step_rows * kv_block * (4 + p)  # one step's S and P
+    peak += 0 if tiles_on_chip else step_scores * (4 + p)  # one step's S and P
     if mode == "fwd+bwd":
         flops += q_heads * visited * 10.0 * q_block * kv_block * d  # S, dP, dV, dQ, dK
+        # the backward's float32 sums (dQ per q block, dK and dV per kv block) and a step's S, P, dP, dS
+        dq_sums, dkv_sums = q_heads * nq * q_block * d * 4, kv_heads * nk * 2 * kv_block * d * 4
+        bwd_vmem = placed([("dQ sums", dq_sums), ("dK, dV sums", dkv_sums), ("S", 4 * step_scores),
+                           ("P", p * step_scores), ("dP", 4 * step_scores), ("dS", p * step_scores)])
+        bwd_tiles_on_chip = all(bwd_vmem[t] for t in ("S", "P", "dP", "dS"))
         breakdown += [
             ("bwd: delta = rowsum(dO * O): read O, dO", q_heads * nq * 2 * q_tile),
-            ("bwd: read K, V; write dK, dV (per step, per kv head, f32 sums)", kv_heads * steps * 2 * kv_tile
-             + kv_heads * steps * 2 * 2 * kv_block * d * 4),
-            ("bwd: read Q, dO, lse, delta; dQ read + write (f32) per visited tile",
-             q_heads * visited * (2 * q_tile + 8 * q_block + 2 * q_block * d * 4)),
+            ("bwd: read K, V (per step, per kv head)", kv_heads * steps * 2 * kv_tile),
+            ("bwd: dK, dV f32 sums read + write per step" + (" (on chip)" if bwd_vmem["dK, dV sums"] else ""),
+             0.0 if bwd_vmem["dK, dV sums"] else kv_heads * steps * 2 * 2 * kv_block * d * 4),
+            ("bwd: read Q, dO, lse, delta per visited tile", q_heads * visited * (2 * q_tile + 8 * q_block)),
+            ("bwd: dQ f32 sums read + write per visited tile" + (" (on chip)" if bwd_vmem["dQ sums"] else ""),
+             0.0 if bwd_vmem["dQ sums"] else q_heads * visited * 2 * q_block * d * 4),
         ]
-        breakdown += [("bwd tile: " + name, per(p) * scores) for name, per in BLOCKWISE_BWD_TILE_PASSES]
+        breakdown += [("bwd tile: " + name + (" (on chip)" if bwd_tiles_on_chip else ""),
+                       0.0 if bwd_tiles_on_chip else per(p) * scores)
+                      for name, per in BLOCKWISE_BWD_TILE_PASSES]
         peak += 2 * q_bytes + 2 * kv_bytes + q_heads * nq * q_block * d * 4
     return Cost(impl=impl, mode=mode, schedule="blockwise (XLA loop)", flops=flops,
-                transcendentals=float(scores * (1 if mode == "fwd" else 2)),
+                transcendentals=float(scores * (1 if mode == "fwd" else 2) * transcendentals_per_score(spec)),
                 standard_flops=standard_flops(spec, mode), hbm_bytes=sum(b for _, b in breakdown),
                 peak_hbm_bytes=float(peak), vmem_bytes=0.0, breakdown=tuple(breakdown),
                 visited_fraction=visited / (nq * nk))
@@ -654,7 +691,8 @@ def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_b
         return _flash(impl, spec, mode, q_block, kv_block, fused_backward,
                       row_sum_pass=schedule == "flash (row-sum pass)",
                       chip=None if chip is None else _as_chip_spec(chip))
-    return _blockwise(impl, spec, mode, q_block, kv_block)  # "blockwise (XLA loop)"
+    return _blockwise(impl, spec, mode, q_block, kv_block,  # "blockwise (XLA loop)"
+                      chip=None if chip is None else _as_chip_spec(chip))
 
 
 # ----------------------------------------------------------------------------- predictions

@@ -68,11 +68,12 @@ from tpuattn.pallas.layout import (
 )
 
 
-def _softcap_grad(s_scaled, softcap):
-    """Capped logits and d(capped)/d(uncapped) for ``softcap * tanh(s / softcap)``."""
+def _softcap_grad(s, scale, softcap):
+    """The scaled (and capped) logits of the raw products ``s = q . k``, as the forward computed them
+    (:func:`tpuattn.numerics.logits`), and d(capped)/d(scaled), ``1 - tanh^2`` (None without a cap)."""
     if softcap is None:
-        return s_scaled, None
-    t = jnp.tanh(s_scaled / softcap)
+        return s * scale, None
+    t = jnp.tanh(s * (scale / softcap))
     return softcap * t, 1.0 - t * t
 
 
@@ -101,7 +102,7 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, h
             q, do = q_ref[layout.head(h)], do_ref[layout.head(h)]
             lse = lse_ref[h].T  # rows (8, block_q) -> columns [block_q, 8]: 0 m, 1 log l
             s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-            s, dcap = _softcap_grad(s * scale, softcap)
+            s, dcap = _softcap_grad(s, scale, softcap)
             p = jnp.exp((s - lse[:, 0:1]) - lse[:, 1:2])  # logsumexp = m + log l
             if keep is not None:
                 p = jnp.where(keep, p, 0.0)
@@ -153,7 +154,7 @@ def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, head_bloc
             q, do, lse = q_ref[layout.head(h)], do_ref[layout.head(h)], lse_ref[h]
             # Transposed scores [block_kv, block_q]: logsumexp and delta are rows [1, block_q].
             st = jax.lax.dot_general(k, q, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-            st, dcap = _softcap_grad(st * scale, softcap)
+            st, dcap = _softcap_grad(st, scale, softcap)
             pt = jnp.exp((st - lse[0:1, :]) - lse[1:2, :])  # rows: m, log l
             if keep is not None:
                 pt = jnp.where(keep, pt, 0.0)

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuattn._checks import round_up
-from tpuattn.numerics import apply_softcap, matmul_precision
+from tpuattn.numerics import LOG2_E, logits, matmul_precision
 from tpuattn.pallas import compat, plan
 from tpuattn.pallas.layout import (
     LANES,
@@ -43,6 +43,12 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
     prefetch, (q_ref, k_ref, v_ref), (q_seg_ref, kv_seg_ref), rest = plan.split_refs(refs, 3, has_segments)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    # Without a softcap the kernel keeps the logits unscaled and folds the scale into the one multiply
+    # before exp2: the max commutes with a positive scale, rounding included (rounding is monotone),
+    # so m * scale is bitwise the max the backward's scaled logits reach. With a softcap the capped
+    # logits are in natural units already.
+    to_natural = scale if softcap is None else 1.0
+    to_exp2 = to_natural * LOG2_E
 
     # Running max m and sum l are kept lane-replicated ([q_heads, block_q, 128]) and in float32:
     # exp and the long sum lose too much in bfloat16, and the scratch persists across the kv steps.
@@ -62,7 +68,7 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
         def head(h):
             s = jax.lax.dot_general(q_ref[layout.head(h)], k, NT_DIMS, precision=precision,
                                     preferred_element_type=jnp.float32)
-            s = apply_softcap(s * scale, softcap)
+            s = logits(s, scale, softcap)  # unscaled without a softcap: see to_exp2
             if keep is not None:
                 s = jnp.where(keep, s, -jnp.inf)
             m_prev, l_prev = m_ref[h], l_ref[h]
@@ -70,8 +76,10 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
             # A row with no visible key so far keeps m = -inf; shift by 0 instead so that
             # exp(-inf - shift) = 0 rather than exp(-inf + inf) = NaN.
             shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            p = jnp.exp(s - shift[:, :1])
-            alpha = jnp.exp(m_prev - shift)
+            # exp(scale * (s - m)) as 2^((s - m) * to_exp2): the subtraction first (exact where the
+            # logits are), then one multiply, where exp would multiply by log2(e) again itself.
+            p = jnp.exp2((s - shift[:, :1]) * to_exp2)
+            alpha = jnp.exp2((m_prev - shift) * to_exp2)
             l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             m_ref[h] = m_next
             pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
@@ -92,7 +100,7 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
         # exp(s - m - log l) would inherit it; s - m is exact where s is. 2: did the row see any
         # key (for a block of a larger problem, whose rows may see nothing here and something
         # elsewhere: (0, 0) alone cannot say).
-        m = jnp.where(seen, m, 0.0)
+        m = jnp.where(seen, m * to_natural, 0.0)  # the max of the scaled logits, as if scaled first
         log_l = jnp.where(seen, jnp.log(jnp.where(seen, l_sum, 1.0)), 0.0)
         lane = jax.lax.broadcasted_iota(jnp.int32, m.shape[1:], 1)
         for h in range(q_heads):  # each head's [block_q, head_dim] tile of the output block
