@@ -1007,7 +1007,7 @@ for name, grad_fn in candidates.items():
 #   same lists from the block indices (`plan.IntervalRule`: a query block's visible kv blocks are one
 #   contiguous range), so no table grows with the length: compiled for v5p, one call takes 1,048,576
 #   tokens (`tests/test_aot_million.py`), where tables of (queries / block) x (keys / block) entries
-#   asked for 16 MiB of its 1 MiB of SMEM;
+#   outgrew its SMEM;
 # * windows, segment ids (empty rows return zeros), softcap, GQA/MQA, the saved logsumexp and
 #   the two backward kernels; block sizes as a small validated dataclass;
 # * **no layout copies** where head_dim is a multiple of 128: instead of transposing to
@@ -1016,7 +1016,13 @@ for name, grad_fn in candidates.items():
 #   block of the query heads of one GQA group is `(block_q, heads_in_group * head_dim)`, and a kernel
 #   takes one head with a lane slice at a multiple of 128. The per-row statistics (`m` and `log l`
 #   from the forward, `delta` in the backward) are float32 rows `[batch, heads, 8, seq]`, 32 bytes a
-#   query row; the kernels transpose an `(8, block_q)` block in VMEM where they need a column.
+#   query row; the kernels transpose an `(8, block_q)` block in VMEM where they need a column;
+# * **the scale folded into the exponent**: without a softcap the forward keeps `q . k` unscaled,
+#   takes the row maximum of that, and computes `exp2((s - m) * scale * log2(e))`, one multiply per
+#   score where `exp(s * scale - m)` makes two (a TPU's `exp` is a multiply by log2(e) and a `vpow2`
+#   on its transcendental unit, as the compiled bundles show: `python -m tpuattn.aot --static`). The
+#   maximum commutes with a positive scale, rounding included, so `m * scale` is the maximum the
+#   backward's scaled logits reach, bit for bit.
 #
 # Its options are `block_sizes`, `interpret` (`None`: compiled on TPU, interpret mode elsewhere;
 # `"simulate"`: the TPU simulator with race detection) and `backward` (`"exact"` or `"fast"`, step 6).

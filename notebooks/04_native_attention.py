@@ -575,14 +575,15 @@ print("tokamax on this installation:", "available" if "tokamax" in tpuattn.imple
       else tpuattn.api.REGISTRY.unavailable_reason("tokamax"))
 
 # %% [markdown]
-# tokamax's forward is the leanest of the three: nothing beyond its inputs and output. Its default
-# backward is another matter: its fused dK/dV kernel also writes one float32 partial dQ for every
-# 128-key block and sums them outside the kernel, a buffer that grows with the square of the length
-# (`tests/test_aot_tokamax.py` holds the compiler to it): the line under the table says how many
-# times splash's HBM that is, and where a training step stops fitting. That is a fact about one
-# configuration of one release (tokamax 0.0.12's defaults, compiled, not run), found without a TPU and
-# in one argument: the contract makes the swap cheap, and the compiler, not the name, says which
-# kernel to train with.
+# The three forwards are close: at the two shorter lengths tokamax's and the package's kernel need nothing
+# beyond their inputs and output (splash a little more), and at the longest all three keep buffers of a layout
+# change beside them. tokamax's default backward is another matter: its fused dK/dV kernel also writes one
+# float32 partial dQ for every 128-key block and sums them outside the kernel, a buffer that grows with the
+# square of the length (`tests/test_aot_tokamax.py` holds the compiler to it): the line under the table says
+# how many times splash's HBM that is, and where a training step stops fitting. That is a fact about one
+# configuration of one release (tokamax 0.0.12's defaults, compiled, not run), found without a TPU and in one
+# argument: the contract makes the swap cheap, and the compiler, not the name, says which kernel to train
+# with.
 
 # %% [markdown]
 # **The rule, as code.** `impl="auto"` calls `tpuattn.choose(spec, backend)` (or

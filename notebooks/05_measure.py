@@ -305,7 +305,9 @@ assert (v5e.bf16_flops, v5e.hbm_bandwidth) == (197e12, 820e9)
 #   and V are re-read once per query block; scores never reach HBM; tiles that `MaskSpec.block_map`
 #   marks EMPTY are skipped. Backward: a dK/dV kernel and a dQ kernel, each recomputing $S$.
 # * **blockwise** (pure JAX): the same tiles, but each step is an XLA computation whose score tile
-#   and running `(acc, max, sum)` state go through HBM.
+#   and running `(acc, max, sum)` state go through HBM, unless they fit the VMEM the compiler keeps
+#   beside the kernels' scoped limit, where XLA:TPU keeps them (the model places them with the rule
+#   it uses for materialised scores).
 #
 # Every byte is listed: here is the forward of the reference at 4096 tokens.
 
@@ -371,8 +373,9 @@ print(f"v5e ridge point {v5e_spec.ridge_point(MODEL_DTYPE):.0f} FLOP/byte; mater
 # The flash kernels, at the blocks printed above, re-read K/V rarely enough to turn compute bound
 # from the length printed for each. At JAX's own splash default of 128 x 128 the intensity would be
 # about $2 \cdot 128 / 2 = 128$ FLOP/byte (exercise 2), memory bound on a v5e, which is why this
-# project (and production configs) raise the blocks. And the blockwise loop in pure JAX, although it
-# skips the same tiles, moves its score tiles through HBM and stays memory bound.
+# project (and production configs) raise the blocks. And the blockwise loop in pure JAX skips the
+# same tiles, but once a step's score tiles or its running state outgrow the VMEM beside the
+# kernels, they go through HBM and it is memory bound.
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey=True)

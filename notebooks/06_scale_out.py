@@ -328,13 +328,14 @@ for topology in slices.SLICES:
             print(f"{'':>21}first failure at T = {first_failure[0]:,}: {first_failure[1]} ({why})")
 
 # %% [markdown]
-# Where a strategy stops compiling before HBM runs out, the compiler says why. The all-gather runs the
-# Pallas kernel once per device over its queries against *all* keys, and that kernel's schedule
-# tables (notebook 03: which key block each query block visits, scalar-prefetched into SMEM) grow
-# with (queries / block) x (keys / block): at the failing length above they no longer fit in SMEM
-# (the compiler's own message). The ring calls the kernel on one `T / n` x `T / n` block at a time,
-# so its tables stay small. (A longer all-gather would have to split its local call into key
-# chunks — which is what the ring does anyway.)
+# Where a length fails to compile, the loop above prints the compiler's reason under it. The
+# all-gather runs the Pallas kernel once per device over its queries against *all* keys. Its
+# schedule (notebook 03: which key block each query block visits) could be a table scalar-prefetched
+# into SMEM, but such a table grows with (queries / block) x (keys / block), and on long calls it
+# outgrows SMEM long before the arrays outgrow HBM. For positions alone the package computes the
+# schedule from the block indices instead, so nothing on the chip grows with the length but the
+# arrays: the all-gather compiles as far as the ring, and what it pays is memory, every device
+# holding all of K and V (the extrapolated lines above).
 #
 # Doubling the chips at a fixed length: the ring's memory per device should halve (each holds `T / n`
 # of everything), the all-gather's should not (every device holds all of K and V). Compiled for a

@@ -271,8 +271,11 @@ if COMPILER:
 #    next lines of the full message list the largest allocations, the table first
 #    (*"Tag: prefetched SMEM operand 0"*), then the register allocator's spill slots (the 1.0K).
 #
-# The package's Pallas kernels read their block schedule from such tables, so they too have a
-# longest sequence per call: the tables must be chunked, compressed, or computed in the index map.
+# A block schedule kept in such tables gives a kernel a longest sequence per call: the tables must be
+# chunked, compressed, or computed in the index map. The package's Pallas kernels compute theirs from
+# the block indices wherever positions alone decide what a query sees (`tpuattn.pallas.plan`'s
+# `IntervalRule`, notebook 03), so nothing in SMEM grows with the length; only with segment ids, where
+# the data decide, do they prefetch tables, and only there does this limit remain.
 #
 # ## 5 · HBM out of memory
 #
