@@ -9,6 +9,7 @@ compiler's peak HBM and its bytes accessed, side by side with a baseline checkou
 
     git worktree add /tmp/baseline e84de79
     python benchmarks/layout_moves.py --baseline /tmp/baseline
+    python benchmarks/layout_moves.py --baseline /tmp/baseline --head-dim 64   # the copy path
 
 Each side compiles in a child process that imports its own ``tpuattn`` and writes the optimised
 program; this checkout's ``data_movement_ops`` reads both, so the two sides are counted alike. Needs
@@ -28,7 +29,8 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 ROOT = Path(__file__).resolve().parent.parent
-SEQ, HEAD_DIM = 4096, 128
+SEQ = 4096
+HEAD_DIM = int(os.environ.get("TPUATTN_LAYOUT_MOVES_HEAD_DIM", "128"))  # the child's, from --head-dim
 PROBLEMS = {"MHA 8/8": (8, 8), "GQA 16/2": (16, 2)}
 MODES = ("fwd", "fwd+bwd")
 MIB = 2**20
@@ -69,7 +71,8 @@ def run_side(checkout: Path) -> dict:
     """Compile every case in a child process that imports ``tpuattn`` from ``checkout``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "programs.json")
-        env = {**os.environ, "PYTHONPATH": str(checkout), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+        env = {**os.environ, "PYTHONPATH": str(checkout), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+               "TPUATTN_LAYOUT_MOVES_HEAD_DIM": str(HEAD_DIM)}
         subprocess.run([sys.executable, __file__, "--child", out], check=True, env=env, cwd=tmp)
         return json.loads(Path(out).read_text())
 
@@ -87,8 +90,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", type=Path,
                         help="a checkout of the commit to compare with (e.g. a git worktree)")
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
+                        help="head_dim of every case (64: the kernels' heads-first copy path)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global HEAD_DIM
+    HEAD_DIM = args.head_dim if not args.child else HEAD_DIM
     if args.child:
         compile_cases(args.child)
         return
