@@ -50,8 +50,9 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
     to_natural = scale if softcap is None else 1.0
     to_exp2 = to_natural * LOG2_E
 
-    # Running max m and sum l are kept lane-replicated ([q_heads, block_q, 128]) and in float32:
-    # exp and the long sum lose too much in bfloat16, and the scratch persists across the kv steps.
+    # Running max m (of the unscaled logits without a softcap) and sum l are kept lane-replicated
+    # ([q_heads, block_q, 128]) and in float32: exp and the long sum lose too much in bfloat16, and the
+    # scratch persists across the kv steps.
     @pl.when(step == 0)
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
