@@ -614,8 +614,11 @@ def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int, chip: Ch
     step_scores = spec.num_q_heads * spec.batch * step_rows * kv_block
 
     def placed(buffers):  # name -> True where _peak's rule keeps the buffer in VMEM (given a chip)
-        return {what: where == "VMEM" for what, _, where in _peak(0, 0, [(w, b, "temp") for w, b in buffers],
-                                                                  chip)[1][2:]}
+        rows = _peak(0, 0, [(w, b, "temp") for w, b in buffers], chip)[1]
+        return {what: where == "VMEM" for what, _, where in rows if what in dict(buffers)}
+
+    def term(name, nbytes, on_chip):  # a breakdown row: no HBM traffic for a buffer VMEM holds
+        return (name + " (on chip)", 0.0) if on_chip else (name, nbytes)
 
     # What the forward's steps write and read back: the running state of every q block, a step's
     # S and P. Each is traffic unless the chip's VMEM holds it.
@@ -624,12 +627,12 @@ def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int, chip: Ch
     breakdown = [
         ("read K, V (once per step, per kv head)", kv_heads * steps * 2 * kv_tile),
         ("read Q rows (per visited tile)", q_heads * visited * q_tile),
-        ("state (acc, max, sum): read + write per visited tile" + (" (on chip)" if fwd_vmem["state"] else ""),
-         0.0 if fwd_vmem["state"] else q_heads * visited * 2 * state),
+        term("state (acc, max, sum): read + write per visited tile", q_heads * visited * 2 * state,
+             fwd_vmem["state"]),
         ("write O and logsumexp", q_heads * nq * (q_tile + 4 * q_block)),
     ]
-    breakdown += [("tile: " + name + (" (on chip)" if tiles_on_chip else ""),
-                   0.0 if tiles_on_chip else per(p) * scores) for name, per in BLOCKWISE_FWD_TILE_PASSES]
+    breakdown += [term("tile: " + name, per(p) * scores, tiles_on_chip)
+                  for name, per in BLOCKWISE_FWD_TILE_PASSES]
     peak = 2 * q_bytes + 2 * kv_bytes + q_heads * nq * state
     peak += 0 if tiles_on_chip else step_scores * (4 + p)  # one step's S and P
     if mode == "fwd+bwd":
@@ -642,14 +645,13 @@ def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int, chip: Ch
         breakdown += [
             ("bwd: delta = rowsum(dO * O): read O, dO", q_heads * nq * 2 * q_tile),
             ("bwd: read K, V (per step, per kv head)", kv_heads * steps * 2 * kv_tile),
-            ("bwd: dK, dV f32 sums read + write per step" + (" (on chip)" if bwd_vmem["dK, dV sums"] else ""),
-             0.0 if bwd_vmem["dK, dV sums"] else kv_heads * steps * 2 * 2 * kv_block * d * 4),
+            term("bwd: dK, dV f32 sums read + write per step", kv_heads * steps * 2 * 2 * kv_block * d * 4,
+                 bwd_vmem["dK, dV sums"]),
             ("bwd: read Q, dO, lse, delta per visited tile", q_heads * visited * (2 * q_tile + 8 * q_block)),
-            ("bwd: dQ f32 sums read + write per visited tile" + (" (on chip)" if bwd_vmem["dQ sums"] else ""),
-             0.0 if bwd_vmem["dQ sums"] else q_heads * visited * 2 * q_block * d * 4),
+            term("bwd: dQ f32 sums read + write per visited tile", q_heads * visited * 2 * q_block * d * 4,
+                 bwd_vmem["dQ sums"]),
         ]
-        breakdown += [("bwd tile: " + name + (" (on chip)" if bwd_tiles_on_chip else ""),
-                       0.0 if bwd_tiles_on_chip else per(p) * scores)
+        breakdown += [term("bwd tile: " + name, per(p) * scores, bwd_tiles_on_chip)
                       for name, per in BLOCKWISE_BWD_TILE_PASSES]
         peak += 2 * q_bytes + 2 * kv_bytes + q_heads * nq * q_block * d * 4
     return Cost(impl=impl, mode=mode, schedule="blockwise (XLA loop)", flops=flops,
