@@ -78,14 +78,17 @@ def _softcap_grad(s, scale, softcap):
 
 
 # --------------------------------------------------------------------------- row sums and dQ
-def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, has_segments, precision,
-               layout, row_sums_only):
+def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, group_size, has_segments,
+               precision, layout, row_sums_only):
     """Pass 1 (``row_sums_only``: writes rowsum(P * dP)) or pass 2 (reads it as delta, writes dQ)."""
     prefetch, inputs, (q_seg_ref, kv_seg_ref), (out_ref, acc_ref) = plan.split_refs(
         refs, 5 if row_sums_only else 6, has_segments)
     q_ref, k_ref, v_ref, do_ref, lse_ref = inputs[:5]
     delta_ref = None if row_sums_only else inputs[5]
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    # Paired heads: the step's first query head within its kv pair's, and each head's half of K/V.
+    first = (pl.program_id(1) % (layout.pack * group_size // q_heads)) * q_heads
+    kv_half = functools.partial(plan.kv_half, layout, group_size, first)
 
     @pl.when(step == 0)
     def _init():
@@ -99,7 +102,7 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, h
             keep = tile_visibility(mask, (block_q, block_kv), i * block_q, kv_block * block_kv, *segments)
 
         def head(h):
-            q, do = q_ref[layout.head(h)], do_ref[layout.head(h)]
+            q, do = layout.load(q_ref, h, kv_half(h)), layout.load(do_ref, h, kv_half(h))
             lse = lse_ref[h].T  # rows (8, block_q) -> columns [block_q, 8]: 0 m, 1 log l
             s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
             s, dcap = _softcap_grad(s, scale, softcap)
@@ -113,6 +116,7 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, h
             ds = p * (dp - delta_ref[h].T[:, 0:1])
             if dcap is not None:
                 ds = ds * dcap
+            # dS K: with paired heads right on the kv head's half (the other half unused until _finish)
             acc_ref[h] += scale * jnp.dot(ds.astype(k.dtype), k, precision=precision,
                                           preferred_element_type=jnp.float32)
 
@@ -122,20 +126,29 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, h
 
     @pl.when(step == sched.steps - 1)
     def _finish():
-        for h in range(q_heads):
-            if row_sums_only:  # delta: the scratch's lane-replicated column, written as rows (8, block_q)
+        if row_sums_only:  # delta: the scratch's lane-replicated column, written as rows (8, block_q)
+            for h in range(q_heads):
                 out_ref[h] = acc_ref[h].T[:STAT_ROWS]
-            else:
-                out_ref[layout.head(h)] = acc_ref[h].astype(out_ref.dtype)
+            return
+
+        def dq(h):  # head h's dQ, on its own half of its pair's tile with paired heads
+            return layout.move(acc_ref[h], kv_half(h), layout.half(h))
+
+        for h in range(0, q_heads, layout.pack):
+            out_ref[layout.head(h)] = sum((dq(h + j) for j in range(1, layout.pack)), dq(h)).astype(
+                out_ref.dtype)
 
 
 # --------------------------------------------------------------------------- dK/dV
-def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, head_blocks, q_heads, has_segments,
-                precision, layout):
+def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, head_blocks, q_heads, group_size,
+                has_segments, precision, layout):
     prefetch, inputs, (q_seg_ref, kv_seg_ref), (dk_ref, dv_ref, dk_acc, dv_acc) = plan.split_refs(
         refs, 6, has_segments)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     b, j, member, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    # Paired heads: Q and dO of each query head moved onto its kv head's half of the K/V tile, so that
+    # every product below sums one head's lanes and dK, dV land on that half.
+    kv_half = functools.partial(plan.kv_half, layout, group_size, member * q_heads)
 
     @pl.when(jnp.logical_and(member == 0, step == 0))
     def _init():
@@ -151,7 +164,7 @@ def _dkv_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, head_bloc
                                    transposed=True)
 
         def head(h):
-            q, do, lse = q_ref[layout.head(h)], do_ref[layout.head(h)], lse_ref[h]
+            q, do, lse = layout.load(q_ref, h, kv_half(h)), layout.load(do_ref, h, kv_half(h)), lse_ref[h]
             # Transposed scores [block_kv, block_q]: logsumexp and delta are rows [1, block_q].
             st = jax.lax.dot_general(k, q, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
             st, dcap = _softcap_grad(st, scale, softcap)
@@ -186,8 +199,8 @@ class _Problem:
         self.spec, self.interpret = spec, interpret
         self.bq, self.bk = bb.block_q, bb.block_kv
         self.tq, self.tk = round_up(spec.q_len, self.bq), round_up(spec.kv_len, self.bk)
-        self.layout = Layout.for_head_dim(spec.head_dim)
-        self.d = self.layout.head_dim
+        self.layout = Layout.for_spec(spec)
+        self.d = self.layout.tile
         self.qp, self.kp, self.vp, self.dop = (self.layout.operand(x, block) for x, block in
                                                ((q, self.bq), (k, self.bk), (v, self.bk), (d_out, self.bq)))
         # Padded query rows: logsumexp 0 and dO 0, so their P is finite and their dS is 0.
@@ -195,7 +208,8 @@ class _Problem:
         self.segs = segment_layouts(segment_ids, self.bq, self.bk) if segment_ids is not None else None
         self.kernel_args = dict(mask=spec.mask, scale=spec.scale, softcap=spec.softcap, block_q=self.bq,
                                 block_kv=self.bk, has_segments=self.segs is not None,
-                                precision=matmul_precision(q.dtype), layout=self.layout)
+                                precision=matmul_precision(q.dtype), layout=self.layout,
+                                group_size=spec.group_size)
 
     def overlap(self, transpose=False):
         return plan.schedule_overlap(self.segs, self.bq, self.bk, self.interpret, transpose=transpose)
@@ -207,7 +221,7 @@ def _q_major_pass(pb: _Problem, delta=None):
     row_sums_only = delta is None
     sched = plan.schedule(spec.mask, bq, bk, pb.tq, pb.tk, pb.overlap())
     hq = plan.q_heads_per_step(spec, "dq", bq, bk)
-    maps = plan.forward_index_maps(sched, spec.group_size, hq)
+    maps = plan.forward_index_maps(sched, plan.head_units(spec)[1], hq)
     q_spec = pl.BlockSpec(layout.block(hq, bq), layout.index_map(maps["q"]))
     kv_spec = pl.BlockSpec(layout.block(None, bk), layout.index_map(maps["kv"]))
     rows_spec = pl.BlockSpec((None, hq, STAT_ROWS, bq), maps["q_row"])  # [b, h, 8, tq] statistics
@@ -244,7 +258,8 @@ def _q_major_pass(pb: _Problem, delta=None):
 
 def _dkv_pass(pb: _Problem, delta):
     """Pass 3: dK, dV (kv-major schedule, the group's query heads looped inside)."""
-    spec, bq, bk, d, group, layout = pb.spec, pb.bq, pb.bk, pb.d, pb.spec.group_size, pb.layout
+    spec, bq, bk, d, layout = pb.spec, pb.bq, pb.bk, pb.d, pb.layout
+    _, group, units = plan.head_units(spec)  # the grid steps over kv heads (or kv head pairs)
     sched = plan.schedule(spec.mask, bq, bk, pb.tq, pb.tk, pb.overlap(transpose=True), transpose=True)
     hq = plan.q_heads_per_step(spec, "dkv", bq, bk)
     maps = plan.dkv_index_maps(sched, group, hq)
@@ -263,7 +278,7 @@ def _dkv_pass(pb: _Problem, delta):
         functools.partial(_dkv_kernel, sched=sched, head_blocks=group // hq, q_heads=hq, **pb.kernel_args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(spec.batch, spec.num_kv_heads, pb.tk // bk, group // hq, sched.steps),
+            grid=(spec.batch, units, pb.tk // bk, group // hq, sched.steps),
             in_specs=in_specs, out_specs=[kv_block_spec, kv_block_spec],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)]),
         out_shape=[compat.out_struct(pb.kp.shape, pb.kp.dtype, pb.kp),

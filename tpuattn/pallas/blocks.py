@@ -173,17 +173,18 @@ def dq_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int, q_h
 VMEM_MARGIN = 2.0
 
 
-def fit_q_heads(group_size: int, need, chip=None) -> int:
+def fit_q_heads(group_size: int, need, chip=None, multiple_of: int = 1) -> int:
     """Query heads one forward, dQ or dK/dV grid step serves: the largest divisor of the GQA ``group_size``
-    whose modelled VMEM ``need(q_heads)`` (bytes), with :data:`VMEM_MARGIN`, fits three quarters of
-    ``chip``'s VMEM. The whole group without a chip (interpret mode has no VMEM to fit). K/V blocks
-    are then fetched once per head block, not once per query head."""
+    (a multiple of ``multiple_of``: whole 128-lane tiles of paired heads) whose modelled VMEM
+    ``need(q_heads)`` (bytes), with :data:`VMEM_MARGIN`, fits three quarters of ``chip``'s VMEM. The
+    whole group without a chip (interpret mode has no VMEM to fit). K/V blocks are then fetched once
+    per head block, not once per query head."""
     if chip is None:
         return group_size
-    for q_heads in range(group_size, 0, -1):
+    for q_heads in range(group_size, 0, -multiple_of):
         if group_size % q_heads == 0 and need(q_heads) * VMEM_MARGIN <= chip.vmem_bytes * 3 // 4:
             return q_heads
-    return 1
+    return multiple_of
 
 
 def vmem_limit_bytes(need: int, q_heads: int, chip=None) -> int | None:

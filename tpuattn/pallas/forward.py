@@ -38,11 +38,14 @@ from tpuattn.pallas.layout import (
 
 
 # --------------------------------------------------------------------------- kernel
-def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, has_segments,
-                    precision, layout, stat_rows):
+def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, group_size,
+                    has_segments, precision, layout, stat_rows):
     prefetch, (q_ref, k_ref, v_ref), (q_seg_ref, kv_seg_ref), rest = plan.split_refs(refs, 3, has_segments)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    # Paired heads: the step's first query head within its kv pair's, and each head's half of K/V.
+    first = (pl.program_id(1) % (layout.pack * group_size // q_heads)) * q_heads
+    kv_half = functools.partial(plan.kv_half, layout, group_size, first)
     # Without a softcap the kernel keeps the logits unscaled and folds the scale into the one multiply
     # before exp2: the max commutes with a positive scale, rounding included (rounding is monotone),
     # so m * scale is bitwise the max the backward's scaled logits reach. With a softcap the capped
@@ -67,7 +70,8 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
             keep = tile_visibility(mask, (block_q, block_kv), i * block_q, kv_block * block_kv, *segments)
 
         def head(h):
-            s = jax.lax.dot_general(q_ref[layout.head(h)], k, NT_DIMS, precision=precision,
+            # Head h's Q tile; with paired heads its 64 lanes alone, on its kv head's half of K.
+            s = jax.lax.dot_general(layout.load(q_ref, h, kv_half(h)), k, NT_DIMS, precision=precision,
                                     preferred_element_type=jnp.float32)
             s = logits(s, scale, softcap)  # unscaled without a softcap: see to_exp2
             if keep is not None:
@@ -83,6 +87,7 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
             alpha = jnp.exp2((m_prev - shift) * to_exp2)
             l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             m_ref[h] = m_next
+            # With paired heads P V is right on the kv head's half (the other half is unused).
             pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
             acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
 
@@ -104,9 +109,14 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
         m = jnp.where(seen, m * to_natural, 0.0)  # the max of the scaled logits, as if scaled first
         log_l = jnp.where(seen, jnp.log(jnp.where(seen, l_sum, 1.0)), 0.0)
         lane = jax.lax.broadcasted_iota(jnp.int32, m.shape[1:], 1)
-        for h in range(q_heads):  # each head's [block_q, head_dim] tile of the output block
-            out = jnp.where(seen[h, :, :1], acc_ref[h] / jnp.where(seen[h], l_sum[h], 1.0)[:, :1], 0.0)
-            o_ref[layout.head(h)] = out.astype(o_ref.dtype)
+
+        def out(h):  # head h's output, on its own half of its pair's tile with paired heads
+            o = jnp.where(seen[h, :, :1], acc_ref[h] / jnp.where(seen[h], l_sum[h], 1.0)[:, :1], 0.0)
+            return layout.move(o, kv_half(h), layout.half(h))
+
+        for h in range(0, q_heads, layout.pack):  # each [block_q, tile] tile of the output block
+            o_ref[layout.head(h)] = sum((out(h + j) for j in range(1, layout.pack)), out(h)).astype(o_ref.dtype)
+        for h in range(q_heads):
             stats = jnp.where(lane == 0, m[h], jnp.where(lane == 1, log_l[h], jnp.where(
                 lane == 2, seen[h].astype(jnp.float32), 0.0)))  # [block_q, 128]: one statistic per lane
             # As rows (8, block_q), queries on lanes: 32 bytes a row in HBM, not 512.
@@ -127,8 +137,8 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
     fb = blocks.clamp(spec.q_len, spec.kv_len)
     bq, bk = fb.block_q, fb.block_kv
     tq, tk = round_up(spec.q_len, bq), round_up(spec.kv_len, bk)
-    layout = Layout.for_head_dim(spec.head_dim)
-    d = layout.head_dim
+    layout = Layout.for_spec(spec)
+    d = layout.tile
     nq = tq // bq
     qp, kp, vp = layout.operand(q, bq), layout.operand(k, bk), layout.operand(v, bk)
 
@@ -138,7 +148,7 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
         overlap = plan.schedule_overlap(segs, bq, bk, interpret)
     sched = plan.schedule(spec.mask, bq, bk, tq, tk, overlap)
     hq = plan.q_heads_per_step(spec, "forward", bq, bk)
-    maps = plan.forward_index_maps(sched, spec.group_size, hq)
+    maps = plan.forward_index_maps(sched, plan.head_units(spec)[1], hq)
 
     q_spec = pl.BlockSpec(layout.block(hq, bq), layout.index_map(maps["q"]))
     kv_spec = pl.BlockSpec(layout.block(None, bk), layout.index_map(maps["kv"]))
@@ -170,7 +180,7 @@ def forward(q, k, v, segment_ids, spec, blocks, interpret, seen=False, out_dtype
     )
     kernel = functools.partial(
         _forward_kernel, sched=sched, mask=spec.mask, scale=spec.scale, softcap=spec.softcap,
-        block_q=bq, block_kv=bk, q_heads=hq, has_segments=segs is not None,
+        block_q=bq, block_kv=bk, q_heads=hq, group_size=spec.group_size, has_segments=segs is not None,
         precision=matmul_precision(q.dtype), layout=layout, stat_rows=stat_rows)
     itemsize = jnp.dtype(q.dtype).itemsize
     computed = spec.batch * spec.num_q_heads * sched.num_outer * sched.steps  # tiles, an upper bound

@@ -17,12 +17,21 @@ hidden by the mask's ``kv_idx < kv_len``, padded query rows are sliced off.
   both obey the TPU tiling rule (the last two block dims multiples of (8, 128)). A kernel takes head
   ``h`` of a block with a lane slice at a multiple of 128 (:meth:`Layout.head`). A sequence that
   is not a multiple of its block is padded (a copy).
-* **heads first** (any other ``head_dim``): ``[batch, heads, seq_padded, head_dim padded to 128]``, a
-  transposing copy in and out. Why not columns there: a head of 64 lanes is half a lane tile, and a
-  BlockSpec that picks one head of ``[batch, seq, heads, head_dim]``, ``(None, block, None,
-  head_dim)``, puts a squeezed head axis second-minor, which Pallas TPU refuses. The roofline counts
-  these copies (the "wrapper" lines of its breakdown) and the compile stage checks that the
-  compiler's bytes for them are at least that.
+* **paired columns** (``head_dim`` 64 and an even number of kv heads): the same free view, two heads
+  per 128-lane tile. A block of one head would be half a lane tile, so a kv block holds a *pair* of kv
+  heads, ``(None, block_kv, 128)``, and a step serves the query heads of both (an even number of them,
+  whole tiles). A kernel reads head ``h`` as its tile with the other head's lanes zeroed and, where
+  the two sit in different halves, rolled by 64 lanes onto its kv head's half (:meth:`Layout.load`):
+  contracting over all 128 lanes then sums exactly one head's products, and ``P V`` over the K/V tile
+  lands the head's output on its kv head's half, from where :meth:`Layout.move` takes it home. The
+  MXU pads a 64-deep contraction to its width anyway, so the pairing costs a roll and two selects per
+  head and step, not a matmul.
+* **heads first** (any other ``head_dim``, or 64 with an odd number of kv heads):
+  ``[batch, heads, seq_padded, head_dim padded to 128]``, a transposing copy in and out. Why not
+  columns there: a head of fewer than 128 lanes is part of a lane tile, and a BlockSpec that picks one
+  head of ``[batch, seq, heads, head_dim]``, ``(None, block, None, head_dim)``, puts a squeezed head
+  axis second-minor, which Pallas TPU refuses. The roofline counts these copies (the "wrapper" lines
+  of its breakdown) and the compile stage checks that the compiler's bytes for them are at least that.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from tpuattn._checks import round_up
 from tpuattn.numerics import pad_to_multiple
@@ -66,18 +76,35 @@ def from_kernel_layout(x, seq_len: int, head_dim: int):
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How the kernels of one call see ``[batch, seq, heads, head_dim]`` arrays (see the module's
-    docstring): ``columns`` (the free view ``[batch, seq, heads * head_dim]``) or heads first.
+    docstring): ``columns`` (the free view ``[batch, seq, heads * head_dim]``, ``pack`` heads to a
+    128-lane tile) or heads first.
 
     The index maps of :mod:`tpuattn.pallas.plan` name blocks of the heads-first layout,
-    ``(batch, head block, seq block, 0)``; :meth:`index_map` adapts them to this layout.
+    ``(batch, head block, seq block, 0)``; :meth:`index_map` adapts them to this layout. With paired
+    heads their "kv heads" are kv head pairs (:attr:`pack`), each with the query heads of both.
     """
 
     columns: bool
-    head_dim: int  # the kernels' head_dim (padded to 128 lanes when heads first)
+    head_dim: int  # one head's lanes in the kernels' arrays (padded to 128 when heads first)
+    pack: int = 1  # heads per 128-lane tile: 2 for paired columns (head_dim 64)
 
     @classmethod
-    def for_head_dim(cls, head_dim: int) -> Layout:
-        return cls(columns=head_dim % LANES == 0, head_dim=padded_head_dim(head_dim))
+    def for_head_dim(cls, head_dim: int, num_kv_heads: int = 1) -> Layout:
+        if head_dim % LANES == 0:
+            return cls(columns=True, head_dim=head_dim)
+        if 2 * head_dim == LANES and num_kv_heads % 2 == 0:
+            return cls(columns=True, head_dim=head_dim, pack=2)
+        return cls(columns=False, head_dim=padded_head_dim(head_dim))
+
+    @classmethod
+    def for_spec(cls, spec) -> Layout:
+        return cls.for_head_dim(spec.head_dim, spec.num_kv_heads)
+
+    @property
+    def tile(self) -> int:
+        """Lanes of the tiles a kernel computes one head with: the head's (a multiple of 128), or the
+        128-lane tile of a pair of heads."""
+        return self.head_dim * self.pack
 
     def operand(self, x, block: int):
         """A contract-layout ``[batch, seq, heads, head_dim]`` array as the kernels read it, its
@@ -100,9 +127,10 @@ class Layout:
         return (batch, heads, seq, self.head_dim)
 
     def block(self, heads: int | None, rows: int) -> tuple:
-        """A BlockSpec block of ``heads`` heads (``None``: one head, its axis squeezed) of ``rows`` rows."""
+        """A BlockSpec block of ``heads`` query heads (``None``: one kv head's K/V block, its axis
+        squeezed; with paired heads, a pair's tile) of ``rows`` rows."""
         if self.columns:
-            return (None, rows, (heads or 1) * self.head_dim)
+            return (None, rows, heads * self.head_dim if heads else self.tile)
         return (None, heads, rows, self.head_dim)
 
     def index_map(self, index_map):
@@ -118,11 +146,37 @@ class Layout:
 
     def head(self, h) -> tuple:
         """The index of head ``h`` (a Python int or a traced int32) in a block of several heads:
-        ``ref[layout.head(h)]`` is that head's ``[rows, head_dim]`` tile."""
+        ``ref[layout.head(h)]`` is that head's ``[rows, head_dim]`` tile (with paired heads, the
+        128-lane tile of its pair: :meth:`load` takes the head out of it)."""
         if not self.columns:
             return (h,)
-        start = h * self.head_dim if isinstance(h, int) else pl.multiple_of(h * self.head_dim, LANES)
-        return (slice(None), pl.ds(start, self.head_dim))
+        tile = h // self.pack if isinstance(h, int) else jax.lax.div(h, jnp.asarray(self.pack, h.dtype))
+        start = tile * self.tile if isinstance(h, int) else pl.multiple_of(tile * self.tile, LANES)
+        return (slice(None), pl.ds(start, self.tile))
+
+    def half(self, h):
+        """Which half of its pair's tile head ``h`` of a block is in (0 without pairs)."""
+        if self.pack == 1:
+            return 0
+        return h % self.pack if isinstance(h, int) else jax.lax.rem(h, jnp.asarray(self.pack, h.dtype))
+
+    def move(self, x, src, dst):
+        """``x`` ``[rows, tile]``: the lanes of half ``src`` moved to half ``dst``, every other lane zero
+        (pairs of heads; ``x`` itself otherwise). ``src``/``dst`` may be traced: the choice is two
+        selects against the lane's half, never a branch."""
+        if self.pack == 1:
+            return x
+        half = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) // self.head_dim
+        # A roll by 64 lanes swaps the halves; in half dst it holds what the other half held.
+        swapped = pltpu.roll(x, self.head_dim, x.ndim - 1)
+        return jnp.where(half == dst, jnp.where(half == src, x, swapped), jnp.zeros_like(x))
+
+    def load(self, ref, h, at=0):
+        """Head ``h`` of a block ``ref`` of several heads as a ``[rows, tile]`` value: its own tile, or,
+        with paired heads, its lanes alone (the rest zero) moved onto half ``at`` (its kv head's),
+        ready to contract with a kv pair's whole tile."""
+        x = ref[self.head(h)]
+        return self.move(x, self.half(h), at)
 
 
 def padded_segment_ids(segment_ids, block_q: int, block_kv: int):

@@ -54,7 +54,7 @@ from tpuattn.pallas.blocks import (
     forward_vmem_bytes,
     vmem_limit_bytes,
 )
-from tpuattn.pallas.layout import padded_head_dim, padded_segment_ids
+from tpuattn.pallas.layout import Layout, padded_head_dim, padded_segment_ids
 from tpuattn.sharding import varying_axes
 from tpuattn.spec import EMPTY, FULL, PARTIAL
 
@@ -325,15 +325,34 @@ def scheduled_step(sched: Schedule, prefetch_refs, b, outer, step, update) -> No
 
 
 # --------------------------------------------------------------------------- head blocks
+def head_units(spec) -> tuple[int, int, int]:
+    """``(pack, group, units)``: the kv heads one K/V block holds (1, or a pair with paired heads:
+    :class:`tpuattn.pallas.layout.Layout`), the query heads of such a block's kv heads, and how many
+    such blocks (kv heads or kv head pairs) a batch row has. The grids step over these units as over
+    kv heads."""
+    pack = Layout.for_spec(spec).pack
+    return pack, pack * spec.group_size, spec.num_kv_heads // pack
+
+
 def q_heads_per_step(spec, pass_name: str, block_q: int, block_kv: int) -> int:
     """Query heads one grid step of the forward (``pass_name="forward"``), the dQ and row-sum passes
-    (``"dq"``) or the dK/dV pass (``"dkv"``) serves: query heads of one GQA group, all of them unless
-    the target chip's VMEM asks for fewer (:func:`tpuattn.pallas.blocks.fit_q_heads`). Their kv
-    head's K/V block serves them all."""
+    (``"dq"``) or the dK/dV pass (``"dkv"``) serves: query heads of one GQA group (of a kv head pair's
+    two groups with paired heads, a whole number of pairs), all of them unless the target chip's VMEM
+    asks for fewer (:func:`tpuattn.pallas.blocks.fit_q_heads`). Their K/V block serves them all."""
     need = {"forward": forward_vmem_bytes, "dq": dq_vmem_bytes, "dkv": backward_vmem_bytes}[pass_name]
     d, itemsize = padded_head_dim(spec.head_dim), np.dtype(spec.dtype).itemsize
-    return fit_q_heads(spec.group_size, lambda h: need(block_q, block_kv, d, itemsize, h),
-                       chips.target_chip())
+    pack, group, _ = head_units(spec)
+    return fit_q_heads(group, lambda h: need(block_q, block_kv, d, itemsize, h), chips.target_chip(),
+                       multiple_of=pack)
+
+
+def kv_half(layout, group_size: int, first, h):
+    """Which half of its kv pair's tile query head ``h`` of a grid step reads K/V from (0 without paired
+    heads): ``first`` (traced) is the step's first query head counted within its kv pair's
+    query heads, ``(first + h) // group_size`` its kv head within the pair."""
+    if layout.pack == 1:
+        return 0
+    return _head_div(first + h, group_size)
 
 
 def head_block_vmem_limit(spec, pass_name: str, block_q: int, block_kv: int, q_heads: int) -> int | None:
@@ -528,15 +547,16 @@ def kv_schedule(spec, block_sizes=None, segment_ids=None, pass_name: str = "forw
     for r, o, s in np.ndindex(rows, sched.num_outer, sched.steps):
         if s < count[r, o]:
             visit[r, o, index[r, o, s]] = PARTIAL if needs[r, o, s] else FULL
+    _, group, units = head_units(spec)
     if pass_name == "dkv":
-        q_heads, heads = q_heads_per_step(spec, "dkv", bq, bk), spec.num_kv_heads
-        maps = lambda s: dkv_index_maps(s, spec.group_size, q_heads)["q"]
-        grid = (spec.batch, heads, sched.num_outer, spec.group_size // q_heads, sched.steps)
-        inner_per_outer = spec.group_size * sched.num_inner
+        q_heads, heads = q_heads_per_step(spec, "dkv", bq, bk), units
+        maps = lambda s: dkv_index_maps(s, group, q_heads)["q"]
+        grid = (spec.batch, heads, sched.num_outer, group // q_heads, sched.steps)
+        inner_per_outer = group * sched.num_inner
     else:
         q_heads = q_heads_per_step(spec, "forward" if pass_name == "forward" else "dq", bq, bk)
         heads = spec.num_q_heads // q_heads  # head blocks
-        maps = lambda s: forward_index_maps(s, spec.group_size, q_heads)["kv"]
+        maps = lambda s: forward_index_maps(s, group, q_heads)["kv"]
         grid = (spec.batch, heads, sched.num_outer, sched.steps)
         inner_per_outer = q_heads * sched.num_inner
     fetch = walk_grid(maps(sched), grid, prefetch)
@@ -545,7 +565,7 @@ def kv_schedule(spec, block_sizes=None, segment_ids=None, pass_name: str = "forw
     tile_heads = spec.num_q_heads if pass_name != "dkv" else heads
     computed = np.broadcast_to(per_row[:, None, :], (spec.batch, tile_heads, sched.num_outer))
     if pass_name == "dkv":
-        computed = computed * spec.group_size
+        computed = computed * group
     unmasked = build_schedule(np.full((sched.num_outer, sched.num_inner), FULL, np.int8))
     unmasked_grid = grid[:-1] + (unmasked.steps,)
     unmasked_fetched = int(walk_grid(maps(unmasked), unmasked_grid,
