@@ -87,7 +87,7 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, g
     delta_ref = None if row_sums_only else inputs[5]
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     # Paired heads: the step's first query head within its kv pair's, and each head's half of K/V.
-    first = (pl.program_id(1) % (layout.pack * group_size // q_heads)) * q_heads
+    first = jax.lax.rem(pl.program_id(1), jnp.int32(layout.pack * group_size // q_heads)) * q_heads
     kv_half = functools.partial(plan.kv_half, layout, group_size, first)
 
     @pl.when(step == 0)

@@ -44,7 +44,7 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     # Paired heads: the step's first query head within its kv pair's, and each head's half of K/V.
-    first = (pl.program_id(1) % (layout.pack * group_size // q_heads)) * q_heads
+    first = jax.lax.rem(pl.program_id(1), jnp.int32(layout.pack * group_size // q_heads)) * q_heads
     kv_half = functools.partial(plan.kv_half, layout, group_size, first)
     # Without a softcap the kernel keeps the logits unscaled and folds the scale into the one multiply
     # before exp2: the max commutes with a positive scale, rounding included (rounding is monotone),

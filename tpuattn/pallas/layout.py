@@ -166,7 +166,8 @@ class Layout:
         selects against the lane's half, never a branch."""
         if self.pack == 1:
             return x
-        half = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) // self.head_dim
+        lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+        half = jax.lax.div(lane, jnp.int32(self.head_dim))  # truncating: floor division lowers via sign
         # A roll by 64 lanes swaps the halves; in half dst it holds what the other half held.
         swapped = pltpu.roll(x, self.head_dim, x.ndim - 1)
         return jnp.where(half == dst, jnp.where(half == src, x, swapped), jnp.zeros_like(x))
