@@ -1,5 +1,6 @@
 """The Pallas kernels compiled for v5e (compiled, not run) at 4096 tokens, MHA (8 query heads on 8 kv
-heads) and GQA (16 on 2), bf16, head_dim 128, causal: what is left outside the kernels.
+heads) and GQA (16 on 2), bf16, head_dim 128 and 64 (two heads to a 128-lane tile), causal: what is
+left outside the kernels.
 
 The kernels read and write ``[batch, seq, heads * head_dim]`` (lane columns per head) and keep the
 per-row statistics as compact rows ``[batch, heads, 8, seq]``. Where Q, K, V come from a projection
@@ -23,7 +24,10 @@ from tpuattn.measure import aot
 require_tpu_compiler()
 
 PROBLEMS = {"mha": aot.Problem(seq_len=4096, heads=8, kv_heads=8),
-            "gqa": aot.Problem(seq_len=4096, heads=16, kv_heads=2)}
+            "gqa": aot.Problem(seq_len=4096, heads=16, kv_heads=2),
+            # head_dim 64: heads paired in 128-lane tiles, still the free view (tpuattn.pallas.layout)
+            "mha-d64": aot.Problem(seq_len=4096, heads=8, kv_heads=8, head_dim=64),
+            "gqa-d64": aot.Problem(seq_len=4096, heads=16, kv_heads=2, head_dim=64)}
 
 
 @pytest.mark.parametrize("heads", sorted(PROBLEMS))
@@ -36,9 +40,10 @@ def test_nothing_moves_outside_the_kernels_between_projections(mode, heads):
     assert moves == []
 
 
+@pytest.mark.parametrize("heads", ["gqa", "gqa-d64"])
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
-def test_with_contract_shaped_arguments_only_the_tpu_relayout_moves(mode):
-    _, moves = aot.wrapper_moves("v5e", PROBLEMS["gqa"], mode)
+def test_with_contract_shaped_arguments_only_the_tpu_relayout_moves(mode, heads):
+    _, moves = aot.wrapper_moves("v5e", PROBLEMS[heads], mode)
     assert moves, "expected the relayout of [.., heads, head_dim] arguments"
     assert all(shape.startswith("bf16") for _, _, shape, _ in moves), moves  # no statistics
     # Q, K, V in and O out; or Q, K, V in and dQ, dK, dV out (dO, the gradient of a sum, is a broadcast).

@@ -3,7 +3,9 @@
 * an output's varying mesh axes inside a ``shard_map``: ``ShapeDtypeStruct(..., manual_axis_type=)``
   (0.10) or ``ShapeDtypeStruct(..., vma=)`` (0.7);
 * the TPU simulator's race flag: ``jax._src.pallas.mosaic.interpret.races`` (0.7.x, one module) or
-  ``jax._src.pallas.mosaic.interpret.interpret_pallas_call.races`` (a package from 0.8).
+  ``jax._src.pallas.mosaic.interpret.interpret_pallas_call.races`` (a package from 0.8);
+* a lane rotation of 16-bit data: Mosaic of JAX 0.7 rotates 32-bit data only ("not implemented:
+  Rotate with non-32-bit data"); from 0.8 any (:func:`roll_lanes`).
 
 * none yet, but named here: :data:`INTERPRETER_READS_VARYING_TABLES`.
 
@@ -18,6 +20,11 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+# Mosaic rotates 16-bit vectors from JAX 0.8 on (checked: 0.7.2 refuses, 0.8.3, 0.9.2, 0.10.2 compile).
+ROTATES_16_BIT = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 8)
 
 
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
@@ -30,6 +37,14 @@ def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     if hasattr(aval, "manual_axis_type"):  # JAX >= 0.8
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
     return jax.ShapeDtypeStruct(shape, dtype, vma=getattr(aval, "vma", None))
+
+
+def roll_lanes(x, shift: int):
+    """``pltpu.roll`` of ``x`` by ``shift`` lanes (its last axis); narrower data rolled as float32
+    (exact: a bfloat16 is a float32) where Mosaic rotates 32-bit data only."""
+    if ROTATES_16_BIT or jnp.dtype(x.dtype).itemsize == 4:
+        return pltpu.roll(x, shift, x.ndim - 1)
+    return pltpu.roll(x.astype(jnp.float32), shift, x.ndim - 1).astype(x.dtype)
 
 
 def race_state():

@@ -41,10 +41,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from tpuattn._checks import round_up
 from tpuattn.numerics import pad_to_multiple
+from tpuattn.pallas import compat
 
 SUBLANES, LANES = 8, 128
 
@@ -169,7 +169,7 @@ class Layout:
         lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
         half = jax.lax.div(lane, jnp.int32(self.head_dim))  # truncating: floor division lowers via sign
         # A roll by 64 lanes swaps the halves; in half dst it holds what the other half held.
-        swapped = pltpu.roll(x, self.head_dim, x.ndim - 1)
+        swapped = compat.roll_lanes(x, self.head_dim)
         return jnp.where(half == dst, jnp.where(half == src, x, swapped), jnp.zeros_like(x))
 
     def load(self, ref, h, at=0):
