@@ -35,6 +35,7 @@ from tpuattn.pallas import (
     reset_races,
     resolve_interpret,
 )
+from tpuattn.pallas.layout import Layout
 from tpuattn.pallas.plan import walk_grid
 from tpuattn.spec import AttentionSpec, MaskSpec
 
@@ -120,6 +121,39 @@ def test_gqa_head_blocks_match_the_oracle(monkeypatch, q_heads, kv_heads, per_st
     np.testing.assert_allclose(out, oracle_attention(q, k, v, **kw), atol=FWD_TOL, rtol=FWD_TOL)
     for name, got, want in zip("qkv", grads, oracle_grads(q, k, v, d_out, **kw), strict=True):
         np.testing.assert_allclose(got, want, atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=f"d{name}")
+
+
+# ------------------------------------------------------------------ head_dim 64: two heads to a lane tile
+@pytest.mark.parametrize(("q_heads", "kv_heads", "per_step", "kw"), [
+    (4, 4, None, dict(causal=True)),  # MHA: each query head on its own kv head's half
+    (8, 2, None, dict(causal=True, softcap=5.0)),  # group 4: half of a tile's heads roll to the other half
+    (6, 2, None, dict(window=(60, 10))),  # group 3: a tile holds heads of both kv heads
+    (12, 4, 2, dict(causal=True, segments=True)),  # a step of 2 heads straddling two kv heads
+    (8, 4, 4, dict(causal=True)),  # a kv pair's 4 query heads in one step, 2 pairs on the grid
+])
+def test_paired_heads_match_the_oracle(monkeypatch, q_heads, kv_heads, per_step, kw):
+    """head_dim 64 with an even number of kv heads: the kernels read the free view with two heads to a
+    128-lane tile (no copy), forward and gradients, over MHA, GQA groups odd and even, head blocks that
+    split a pair's query heads, segments, a window and a softcap."""
+    assert Layout.for_head_dim(64, kv_heads) == Layout(columns=True, head_dim=64, pack=2)
+    if per_step is not None:
+        monkeypatch.setattr(plan, "q_heads_per_step", lambda spec, pass_name, bq, bk: per_step)
+    kw = dict(kw)
+    if kw.pop("segments", False):
+        kw["segment_ids"] = np.repeat(np.array([[0, 1], [0, 0]]), [90, 150], axis=1).astype(np.int32)
+    q, k, v, d_out = _inputs(q_heads * 10 + kv_heads, 2, 240, 240, q_heads, kv_heads, 64)
+    out, grads = _value_and_grads(q, k, v, d_out, block_sizes=128, **kw)
+    np.testing.assert_allclose(out, oracle_attention(q, k, v, **kw), atol=FWD_TOL, rtol=FWD_TOL)
+    for name, got, want in zip("qkv", grads, oracle_grads(q, k, v, d_out, **kw), strict=True):
+        np.testing.assert_allclose(got, want, atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=f"d{name}")
+
+
+def test_head_dims_that_cannot_pair_take_the_padded_copy():
+    """Pairing needs head_dim 64 and whole kv head pairs; anything else is the heads-first copy."""
+    assert Layout.for_head_dim(128, 1) == Layout(columns=True, head_dim=128)
+    assert Layout.for_head_dim(256, 3).columns
+    for head_dim, kv_heads in [(64, 1), (64, 3), (32, 4), (96, 2)]:
+        assert Layout.for_head_dim(head_dim, kv_heads) == Layout(columns=False, head_dim=128)
 
 
 # ------------------------------------------------------------------ block counts at 4096, counted
