@@ -1014,7 +1014,13 @@ for name, grad_fn in candidates.items():
 #   `[batch, heads, seq, head_dim]` as step 2 does, the kernels read and write the contract's arrays
 #   as `[batch, seq, heads * head_dim]`, where head `h` is the lane columns `h * head_dim ...`. A
 #   block of the query heads of one GQA group is `(block_q, heads_in_group * head_dim)`, and a kernel
-#   takes one head with a lane slice at a multiple of 128. The per-row statistics (`m` and `log l`
+#   takes one head with a lane slice at a multiple of 128. head_dim 64 is half a lane tile, so where
+#   the kv heads pair the kernels read a *pair* of kv heads as one 128-lane K/V tile and serve both
+#   kv heads' query heads in a step: each query head's 64 lanes are selected and rolled (`pltpu.roll`)
+#   onto its kv head's half, so a contraction over all 128 lanes sums that one head's products, and
+#   `P V` lands on that half (`tpuattn/pallas/layout.py`). The MXU pads a 64-deep contraction to its
+#   width anyway: the pairing costs a roll and two selects per head and step, where the heads-first
+#   copy it replaces read and wrote every array twice as wide. The per-row statistics (`m` and `log l`
 #   from the forward, `delta` in the backward) are float32 rows `[batch, heads, 8, seq]`, 32 bytes a
 #   query row; the kernels transpose an `(8, block_q)` block in VMEM where they need a column;
 # * **the scale folded into the exponent**: without a softcap the forward keeps `q . k` unscaled,
@@ -1050,19 +1056,20 @@ for name, got, want, tol in package_cases:
 
 # %% [markdown]
 # What does that buy? The cell below compiles the package's forward and backward for v5e (compiled,
-# not run) with 16 query heads on 2 kv heads at 4096 tokens, and lists what the optimised program
-# still copies, transposes or reshapes outside the kernels (`aot.wrapper_moves`). Arguments shaped
-# as a projection makes them, `[batch, seq, heads * head_dim]`, leave nothing to move. Arguments in
-# the contract's `[batch, seq, heads, head_dim]` cost one relayout each: a TPU tiles an array's last
-# two dimensions into (8, 128) tiles, `(heads, head_dim)` there and `(seq, heads * head_dim)` in the
-# kernels' view, so that reshape moves every byte.
+# not run) with 16 query heads on 2 kv heads at 4096 tokens, head_dim 128 and then 64 (paired), and
+# lists what the optimised program still copies, transposes or reshapes outside the kernels
+# (`aot.wrapper_moves`). Arguments shaped as a projection makes them, `[batch, seq, heads *
+# head_dim]`, leave nothing to move. Arguments in the contract's `[batch, seq, heads, head_dim]` cost
+# one relayout each: a TPU tiles an array's last two dimensions into (8, 128) tiles, `(heads,
+# head_dim)` there and `(seq, heads * head_dim)` in the kernels' view, so that reshape moves every
+# byte.
 
 # %%
 if COMPILER:
-    gqa = aot.Problem(seq_len=4096, heads=16, kv_heads=2)
-    for projected in (True, False):
+    for head_dim, projected in ((128, True), (128, False), (64, True)):
+        gqa = aot.Problem(seq_len=4096, heads=16, kv_heads=2, head_dim=head_dim)
         compiled, moves = aot.wrapper_moves("v5e", gqa, "fwd+bwd", projected=projected)
-        shape = "[1, 4096, 16 * 128]" if projected else "[1, 4096, 16, 128]"
+        shape = f"[1, 4096, 16 * {head_dim}]" if projected else f"[1, 4096, 16, {head_dim}]"
         print(f"fwd+bwd, Q {shape}: {len(moves)} moves outside the kernels "
               f"{sorted(op for _, op, _, _ in moves)}, peak HBM "
               f"{aot.compiled_facts(compiled)['peak_hbm_bytes'] / 2**20:.0f} MiB ({aot.LABEL})")

@@ -180,16 +180,16 @@ def test_reproduce_a_committed_report_finds_no_difference(kind, limit, capsys):
 
 
 @pinned_compiler
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_wrappers_layout_copies_cost_at_least_what_the_model_counts(head_dim):
+@pytest.mark.parametrize(("head_dim", "heads"), [(64, 8), (64, 3), (128, 8)])
+def test_the_wrappers_layout_copies_cost_at_least_what_the_model_counts(head_dim, heads):
     # Called with contract-shaped arrays, the Pallas path relays Q, K, V out into its view and O back:
-    # [batch, seq, heads * 128] (the TPU tiles [.., heads, 128] otherwise) at head_dim 128, the padded
-    # [batch, heads, seq, 128] copy at 64. The model counts one read and one write of each (its
-    # "wrapper" lines); XLA's cost analysis of those moves alone counts at least that, so the model
-    # stays a lower bound.
-    problem = aot.Problem(seq_len=4096, heads=8, head_dim=head_dim, causal=False)
+    # [batch, seq, heads * head_dim] (the TPU tiles [.., heads, head_dim] otherwise) at head_dim 128 and
+    # at 64 on 8 heads (paired), the padded [batch, heads, seq, 128] copy at 64 on 3 heads (an odd
+    # number cannot pair). The model counts one read and one write of each (its "wrapper" lines);
+    # XLA's cost analysis of those moves alone counts at least that, so the model stays a lower bound.
+    problem = aot.Problem(seq_len=4096, heads=heads, head_dim=head_dim, causal=False)
     compiled = aot.layout_copy_bytes("v5e", problem)
-    spec = roofline.problem(4096, heads=8, head_dim=head_dim, dtype="bfloat16")
+    spec = roofline.problem(4096, heads=heads, head_dim=head_dim, dtype="bfloat16")
     cost = roofline.cost("pallas", spec, "fwd", chip=roofline.chip_spec("v5e"))
     modelled = sum(b for what, b in cost.breakdown if what.startswith("wrapper"))
     assert modelled <= compiled <= 4 * modelled, (modelled, compiled)

@@ -34,14 +34,26 @@ def test_causal_4096_counts_and_bytes():
 def test_unmasked_kv_reread_once_per_q_block_and_once_per_gqa_group():
     # 512 tokens, 128-blocks: each of the 4 q blocks streams all 4 kv blocks, once for each kv head's
     # group of 2 query heads (one grid step serves the group), while every q head computes its tiles.
-    spec = counts.spec_for(512, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float32")
+    spec = counts.spec_for(512, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype="float32")
     traffic = counts.hbm_traffic(spec, ForwardBlocks(128, 128))
     assert traffic.kv_blocks_computed == 2 * 4 * 4 * 4
     assert traffic.kv_blocks_fetched == traffic.unmasked_kv_fetched == 2 * 2 * 4 * 4
-    # head_dim 64 is padded to 128 lanes in the kernel's layout.
+    # head_dim 32 is padded to 128 lanes in the kernel's layout.
     assert traffic.k_read == 2 * 2 * 4 * 4 * 128 * 128 * 4
-    assert traffic.minimum == (2 * 2 * 4 * 512 + 2 * 2 * 2 * 512) * 64 * 4
+    assert traffic.minimum == (2 * 2 * 4 * 512 + 2 * 2 * 2 * 512) * 32 * 4
     assert traffic.ratio == pytest.approx(traffic.total / traffic.minimum)
+
+
+def test_paired_heads_fetch_a_kv_pair_once_for_both_groups():
+    # head_dim 64 on 2 kv heads: one 128-lane tile holds both kv heads, and one grid step serves all
+    # 4 query heads, so each K/V tile is fetched once per q block, at the contract's width: nothing
+    # is padded, and K+V are read at exactly the unpadded size once per q block.
+    spec = counts.spec_for(512, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float32")
+    traffic = counts.hbm_traffic(spec, ForwardBlocks(128, 128))
+    assert traffic.kv_blocks_computed == 2 * 4 * 4 * 4
+    assert traffic.kv_blocks_fetched == traffic.unmasked_kv_fetched == 2 * 1 * 4 * 4
+    assert traffic.k_read == 2 * 4 * (2 * 512 * 64 * 4)  # per q block, the whole K of both kv heads
+    assert traffic.q_read == traffic.o_written == 2 * 4 * 512 * 64 * 4
 
 
 def test_walk_causal_matches_the_schedule_layout():

@@ -240,8 +240,13 @@ def test_flash_vmem_is_the_kernels_own_accounting():
     spec = roofline.problem(4096, head_dim=64, dtype="bfloat16")
     fwd = roofline.cost("pallas", spec, "fwd", q_block=256, kv_block=128)
     both = roofline.cost("pallas", spec, "fwd+bwd", q_block=256, kv_block=128)
-    assert fwd.vmem_bytes == blocks.forward_vmem_bytes(256, 128, 128, 2)  # head_dim padded to 128 lanes
-    assert both.vmem_bytes == max(fwd.vmem_bytes, blocks.backward_vmem_bytes(256, 128, 128, 2))
+    # head_dim 64 on 8 kv heads: paired, a step holds a kv pair's two query heads in 128-lane tiles
+    assert fwd.vmem_bytes == blocks.forward_vmem_bytes(256, 128, 128, 2, 2)
+    assert both.vmem_bytes == max(fwd.vmem_bytes, blocks.backward_vmem_bytes(256, 128, 128, 2, 2),
+                                  blocks.dq_vmem_bytes(256, 128, 128, 2, 2))
+    unpaired = roofline.cost("pallas", roofline.problem(4096, head_dim=64, heads=3, kv_heads=3,
+                                                        dtype="bfloat16"), "fwd", q_block=256, kv_block=128)
+    assert unpaired.vmem_bytes == blocks.forward_vmem_bytes(256, 128, 128, 2)  # padded to 128 lanes
 
 
 def test_pallas_reads_kv_once_per_gqa_group():
@@ -460,7 +465,8 @@ def test_a_misspelt_schedule_model_field_is_an_error():
     with pytest.raises(ValueError, match=r"^lse_row_bytes: expected a positive int"):
         ScheduleModel(lse_row_bytes=0)
     assert roofline.schedule_model("pallas") == ScheduleModel(lse_row_bytes=32, delta_row_bytes=32,
-                                                              pads_head_dim=True, kernel_layout_copies=True,
+                                                              pads_head_dim=True, pairs_heads=True,
+                                                              kernel_layout_copies=True,
                                                               lse_copies_in_backward=0,
                                                               kv_once_per_group=True)
     with pytest.raises(ValueError, match=r"^lse_copies_in_backward: expected an int >= 0, got True"):

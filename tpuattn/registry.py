@@ -64,6 +64,9 @@ class ScheduleModel:
       lse_row_bytes: flash: bytes per query row of the saved logsumexp as the kernel writes it.
       delta_row_bytes: flash: bytes per query row of the backward's delta.
       pads_head_dim: flash: the kernel pads head_dim to the 128 lanes (moves and multiplies the pad).
+      pairs_heads: flash: where head_dim is 64 and the kv heads pair, the kernel reads two heads to a
+        128-lane tile instead (:class:`tpuattn.pallas.layout.Layout`): it moves the contract's width
+        and multiplies the padded one, and a grid step serves both kv heads' query heads.
       kernel_layout_copies: flash: the wrapper copies Q, K, V and O (dO, dQ, dK, dV) to and from
         ``[batch, heads, seq, head_dim]`` around the kernel.
       lse_written_row_bytes: flash: bytes per query row of the logsumexp as the forward kernel writes
@@ -80,6 +83,7 @@ class ScheduleModel:
     lse_row_bytes: int = 4
     delta_row_bytes: int = 4
     pads_head_dim: bool = False
+    pairs_heads: bool = False
     kernel_layout_copies: bool = False
     lse_written_row_bytes: int | None = None
     forward_saves_lse: bool = True

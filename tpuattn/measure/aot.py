@@ -403,7 +403,8 @@ def layout_copy_bytes(chip_name: str, problem: Problem) -> float:
     """Compiled bytes accessed by the Pallas wrapper's own data movement alone (forward): Q, K, V from
     the contract's ``[batch, seq, heads, head_dim]`` into the kernels' view and O back
     (:class:`tpuattn.pallas.layout.Layout`: ``[batch, seq, heads * head_dim]``, a relayout between the
-    TPU's two tilings, for head_dim a multiple of 128; the padded heads-first copy otherwise)."""
+    TPU's two tilings, for head_dim a multiple of 128 or 64 on paired kv heads; the padded heads-first
+    copy otherwise)."""
     import jax
     import jax.numpy as jnp
 
@@ -411,7 +412,7 @@ def layout_copy_bytes(chip_name: str, problem: Problem) -> float:
 
     q_shape, kv_shape = problem.shapes()
     dtype = jnp.dtype(problem.dtype)
-    layout = Layout.for_head_dim(problem.head_dim)
+    layout = Layout.for_head_dim(problem.head_dim, problem.kv_heads or problem.heads)
     o_kernel = layout.shape(problem.batch, problem.heads, problem.seq_len)
 
     def copies(q, k, v, o):
@@ -469,8 +470,8 @@ def block_table(chip_names, head_dims=(128, 256), dtypes=("bfloat16", "float32")
                 candidates=BLOCK_CANDIDATES, kernels=KERNELS, progress: bool = True) -> list:
     """:func:`block_row` for every chip, kernel, head_dim, dtype and pair ``block_kv <= block_q``.
 
-    The kernels pad head_dim to a multiple of 128, so 64 compiles the same kernel as 128: the
-    default sweeps the two widths that differ."""
+    The kernels compute head_dim 64 in 128-lane tiles (padded, or two heads to a tile), so 64 takes
+    128's blocks: the default sweeps the two widths that differ."""
     jobs = block_jobs(dict(chips=list(chip_names), kernels=list(kernels), head_dims=list(head_dims),
                            dtypes=list(dtypes), candidates=list(candidates)))
     rows = []

@@ -19,7 +19,7 @@ import numpy as np
 from tpuattn._checks import round_up
 from tpuattn.pallas import plan
 from tpuattn.pallas.blocks import ForwardBlocks, as_block_sizes
-from tpuattn.pallas.layout import LANES, STAT_ROWS, padded_head_dim
+from tpuattn.pallas.layout import LANES, STAT_ROWS, Layout
 from tpuattn.spec import AttentionSpec, spec_from_shapes
 
 __all__ = ["GridWalk", "HbmTraffic", "describe_mask", "format_table", "grid_walk", "hbm_traffic", "spec_for"]
@@ -163,12 +163,14 @@ class HbmTraffic:
 def hbm_traffic(spec: AttentionSpec, block_sizes=None, *, segment_ids=None) -> HbmTraffic:
     """Count the HBM bytes the forward kernel's block schedule moves.
 
-    The model (the forward pass only; every array in the kernel's padded layout
-    ``[batch, heads, seq_padded, head_dim_padded]``, head_dim padded to 128 lanes):
+    The model (the forward pass only; every array as the kernel's layout holds it,
+    :class:`tpuattn.pallas.layout.Layout`: the sequence padded to the blocks, head_dim padded to 128
+    lanes unless it is a multiple of 128 or paired, two heads of 64 to a lane tile):
 
     * **Q**: each query block is read once per (batch, query head): its index map ignores the
       kv step, so consecutive steps name the same block and the pipeline does not re-fetch it;
-    * **K, V**: one ``block_kv x head_dim`` block each time the K/V index map names a block
+    * **K, V**: one ``block_kv x head_dim`` block (with paired heads a kv head pair's
+      ``block_kv x 128`` tile, serving both kv heads' query heads) each time the K/V index map names a block
       different from the previous grid step's -- exactly :func:`kv_schedule`'s ``fetched``
       count. K/V are re-read for every query block, and once per head block: a grid step serves
       the query heads of a GQA group (``counts.q_heads`` of them) with one K/V block, so a group
@@ -187,13 +189,14 @@ def hbm_traffic(spec: AttentionSpec, block_sizes=None, *, segment_ids=None) -> H
     counts = plan.kv_schedule(spec, _block_sizes(block_sizes), segment_ids=segment_ids)
     bq, bk = counts.block_q, counts.block_kv
     itemsize = np.dtype(spec.dtype).itemsize
-    d = padded_head_dim(spec.head_dim)
+    layout = Layout.for_spec(spec)
+    d = layout.head_dim  # a head's lanes: padded to 128 heads first, 64 with paired heads
     tq = counts.num_q_blocks * bq
     b, hq, hkv = spec.batch, spec.num_q_heads, spec.num_kv_heads
     q_read = b * hq * tq * d * itemsize
     o_written = q_read
     lse_written = b * hq * tq * STAT_ROWS * 4
-    kv_block_bytes = bk * d * itemsize
+    kv_block_bytes = bk * layout.tile * itemsize  # one kv head's block, or a kv head pair's tile
 
     def segment_bytes(fetches: int) -> int:
         if not spec.has_segments:

@@ -74,7 +74,7 @@ from tpuattn import api, chips
 from tpuattn._checks import positive_int
 from tpuattn.measure.flops import FORWARD_FLOPS_PER_SCORE, MODES, attention_flops, check_mode
 from tpuattn.pallas.blocks import backward_vmem_bytes, dq_vmem_bytes, forward_vmem_bytes
-from tpuattn.pallas.layout import padded_head_dim
+from tpuattn.pallas.layout import Layout, padded_head_dim
 from tpuattn.registry import ScheduleModel
 from tpuattn.spec import EMPTY, MaskSpec, spec_from_shapes
 
@@ -439,14 +439,17 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     params = schedule_model(impl)
     lse_row, delta_row = params.lse_row_bytes, params.delta_row_bytes
     e = _itemsize(spec.dtype)
-    # A kernel that pads head_dim to the 128 lanes moves and multiplies the padded width.
-    d = padded_head_dim(spec.head_dim) if params.pads_head_dim else spec.head_dim
+    # A kernel that pads head_dim to the 128 lanes moves and multiplies the padded width; one that
+    # pairs heads of 64 in a lane tile moves the contract's width and multiplies the padded one.
+    pack = Layout.for_spec(spec).pack if params.pairs_heads else 1
+    d_mxu = padded_head_dim(spec.head_dim) if params.pads_head_dim else spec.head_dim
+    d = spec.head_dim if pack > 1 else d_mxu
     visited, nq, nk, _ = _visited_tiles(spec.mask, q_block, kv_block)
     heads = spec.batch * spec.num_q_heads  # tiles are computed per (batch, q head, q block, kv block)
     # K/V readers: a kernel whose grid step serves a GQA group's query heads reads K_j, V_j once per
     # kv head; one that steps over query heads reads them once per query head.
     kv_heads = spec.batch * (spec.num_kv_heads if params.kv_once_per_group else spec.num_q_heads)
-    tile_flops = float(FORWARD_FLOPS_PER_SCORE) * q_block * kv_block * d  # QK^T and PV of one tile
+    tile_flops = float(FORWARD_FLOPS_PER_SCORE) * q_block * kv_block * d_mxu  # QK^T and PV of one tile
     q_tile, kv_tile = q_block * d * e, kv_block * d * e
     # Forward: Q_i read once per q block (it stays in VMEM over the kv loop), K_j and V_j read
     # for every visited tile (of a kv head or a q head, as above), O_i and the f32 logsumexp
@@ -459,7 +462,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     ]
     flops = heads * visited * tile_flops
     # VMEM of one grid step: the Pallas kernel's own accounting (head_dim padded to the lanes).
-    group = spec.group_size if params.kv_once_per_group else 1  # query heads per grid step
+    group = pack * spec.group_size if params.kv_once_per_group else 1  # query heads per grid step
     vmem = forward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e, group)
     if mode == "fwd+bwd":
         vmem = max(vmem, backward_vmem_bytes(q_block, kv_block, padded_head_dim(d), e, group))
@@ -497,8 +500,8 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
             ]
             flops += heads * visited * 3.5 * tile_flops  # dK/dV: S, dP, dV, dK; dQ: S, dP, dQ
     # What the implementation writes and copies besides the tiles (its record's ``model``): the
-    # saved logsumexp and delta per query row (tpuattn's kernel keeps them 128 lanes wide: 512 bytes
-    # a row), and the wrapper's copies to and from the kernel layout [batch, heads, seq, head_dim].
+    # saved logsumexp and delta per query row (``lse_row_bytes``, ``delta_row_bytes``), and the
+    # wrapper's moves to and from the kernel layout (a copy or a relayout: ``kernel_layout_copies``).
     q_bytes, kv_bytes, _ = _io_bytes(spec)
     widen = d / spec.head_dim  # the kernel layout's head_dim over the contract's
     rows = spec.batch * spec.num_q_heads * spec.q_len

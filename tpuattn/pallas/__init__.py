@@ -108,12 +108,14 @@ register(
     # The local kernel of tpuattn.parallel with impl="auto" on a TPU (compiled there, interpreted elsewhere).
     partial_rank=lambda spec, backend: 0.0 if backend == "tpu" else None,
     # logsumexp and delta are float32 rows [batch, heads, 8, seq] (32 bytes a query row), read by
-    # every pass as saved. head_dim is padded to 128 where it is not a multiple of it. Q, K, V, O
-    # (dO, dQ, dK, dV) in the contract's [batch, seq, heads, head_dim] are relaid out once each around
-    # the kernels: to and from the heads-first copy, or, for head_dim a multiple of 128, between the
-    # TPU's tiling of (heads, head_dim) and that of the kernels' view [batch, seq, heads * head_dim]
-    # (none when the arrays come from and go to projections of that shape: tests/test_aot_pallas_gqa.py).
+    # every pass as saved. head_dim is padded to 128 where it is not a multiple of it, except 64 with
+    # paired kv heads (two heads to a lane tile). Q, K, V, O (dO, dQ, dK, dV) in the contract's
+    # [batch, seq, heads, head_dim] are relaid out once each around the kernels: to and from the
+    # heads-first copy, or, for the kernels' view [batch, seq, heads * head_dim] (head_dim a multiple
+    # of 128, or paired 64), between the TPU's tiling of (heads, head_dim) and that of the view (none
+    # when the arrays come from and go to projections of that shape: tests/test_aot_pallas_gqa.py).
     # The forward and dQ grids step over GQA groups: K/V read once per kv head.
     model=ScheduleModel(lse_row_bytes=4 * STAT_ROWS, delta_row_bytes=4 * STAT_ROWS, pads_head_dim=True,
-                        kernel_layout_copies=True, lse_copies_in_backward=0, kv_once_per_group=True),
+                        pairs_heads=True, kernel_layout_copies=True, lse_copies_in_backward=0,
+                        kv_once_per_group=True),
 )
