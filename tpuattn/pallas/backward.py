@@ -134,9 +134,7 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, g
         def dq(h):  # head h's dQ, on its own half of its pair's tile with paired heads
             return layout.move(acc_ref[h], kv_half(h), layout.half(h))
 
-        for h in range(0, q_heads, layout.pack):
-            out_ref[layout.head(h)] = sum((dq(h + j) for j in range(1, layout.pack)), dq(h)).astype(
-                out_ref.dtype)
+        layout.store(out_ref, q_heads, dq)
 
 
 # --------------------------------------------------------------------------- dK/dV

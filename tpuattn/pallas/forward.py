@@ -114,8 +114,7 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
             o = jnp.where(seen[h, :, :1], acc_ref[h] / jnp.where(seen[h], l_sum[h], 1.0)[:, :1], 0.0)
             return layout.move(o, kv_half(h), layout.half(h))
 
-        for h in range(0, q_heads, layout.pack):  # each [block_q, tile] tile of the output block
-            o_ref[layout.head(h)] = sum((out(h + j) for j in range(1, layout.pack)), out(h)).astype(o_ref.dtype)
+        layout.store(o_ref, q_heads, out)
         for h in range(q_heads):
             stats = jnp.where(lane == 0, m[h], jnp.where(lane == 1, log_l[h], jnp.where(
                 lane == 2, seen[h].astype(jnp.float32), 0.0)))  # [block_q, 128]: one statistic per lane

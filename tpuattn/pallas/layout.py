@@ -172,6 +172,16 @@ class Layout:
         swapped = compat.roll_lanes(x, self.head_dim)
         return jnp.where(half == dst, jnp.where(half == src, x, swapped), jnp.zeros_like(x))
 
+    def store(self, ref, q_heads: int, value) -> None:
+        """Write ``value(h)``, head ``h``'s ``[rows, tile]`` result on its own half (:meth:`move`; zero
+        elsewhere), for the ``q_heads`` heads of a block ``ref``: a pair's two results summed into
+        their tile."""
+        for h in range(0, q_heads, self.pack):
+            tile = value(h)
+            for j in range(1, self.pack):
+                tile = tile + value(h + j)
+            ref[self.head(h)] = tile.astype(ref.dtype)
+
     def load(self, ref, h, at=0):
         """Head ``h`` of a block ``ref`` of several heads as a ``[rows, tile]`` value: its own tile, or,
         with paired heads, its lanes alone (the rest zero) moved onto half ``at`` (its kv head's),
