@@ -210,8 +210,9 @@ check("step 1, one block (float32)", one_block_attention(q1, k1, v1), want, 2e-5
 # > before to sublanes. Mosaic therefore requires the **last two dimensions of every block to be
 # > divisible by 8 and 128** -- or to equal the array's full dimensions. Head dimension 64 passes only
 # > by that escape clause (the block spans the whole dimension) and then fills half of each
-# > register's lanes; the package pads `head_dim` to a multiple of 128 for that reason. The MXU
-# > multiplies 128 x 128 tiles (256 x 256 on v6e, https://cloud.google.com/tpu/docs/v6e), another
+# > register's lanes. A heads-first layout pads `head_dim` to a multiple of 128 for that reason; the
+# > package's kernel instead pairs two heads of 64 in one 128-lane tile (later in this notebook). The
+# > MXU multiplies 128 x 128 tiles (256 x 256 on v6e, https://cloud.google.com/tpu/docs/v6e), another
 # > reason blocks come in multiples of 128.
 # > A bfloat16 value is 16 bits, so two rows share each 32-bit sublane: the compiler lays bfloat16
 # > arrays out as `T(8,128)(2,1)`, an (8, 128) tile of 32-bit words each holding two rows, so the
@@ -1056,20 +1057,20 @@ for name, got, want, tol in package_cases:
 
 # %% [markdown]
 # What does that buy? The cell below compiles the package's forward and backward for v5e (compiled,
-# not run) with 16 query heads on 2 kv heads at 4096 tokens, head_dim 128 and then 64 (paired), and
-# lists what the optimised program still copies, transposes or reshapes outside the kernels
-# (`aot.wrapper_moves`). Arguments shaped as a projection makes them, `[batch, seq, heads *
-# head_dim]`, leave nothing to move. Arguments in the contract's `[batch, seq, heads, head_dim]` cost
-# one relayout each: a TPU tiles an array's last two dimensions into (8, 128) tiles, `(heads,
-# head_dim)` there and `(seq, heads * head_dim)` in the kernels' view, so that reshape moves every
-# byte.
+# not run) with 16 query heads on 2 kv heads at 4096 tokens, head_dim 128, then 8 heads of 64
+# (paired), and lists what the optimised program still copies, transposes or reshapes outside the
+# kernels (`aot.wrapper_moves`). Arguments shaped as a projection makes them, `[batch, seq, heads *
+# head_dim]`, leave nothing to move, at either width. Arguments in the contract's `[batch, seq,
+# heads, head_dim]` cost one relayout each: a TPU tiles an array's last two dimensions into (8, 128)
+# tiles, `(heads, head_dim)` there and `(seq, heads * head_dim)` in the kernels' view, so that
+# reshape moves every byte.
 
 # %%
 if COMPILER:
-    for head_dim, projected in ((128, True), (128, False), (64, True)):
-        gqa = aot.Problem(seq_len=4096, heads=16, kv_heads=2, head_dim=head_dim)
-        compiled, moves = aot.wrapper_moves("v5e", gqa, "fwd+bwd", projected=projected)
-        shape = f"[1, 4096, 16 * {head_dim}]" if projected else f"[1, 4096, 16, {head_dim}]"
+    for heads, kv_heads, head_dim, projected in ((16, 2, 128, True), (16, 2, 128, False), (8, 8, 64, True)):
+        problem = aot.Problem(seq_len=4096, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+        compiled, moves = aot.wrapper_moves("v5e", problem, "fwd+bwd", projected=projected)
+        shape = f"[1, 4096, {heads} * {head_dim}]" if projected else f"[1, 4096, {heads}, {head_dim}]"
         print(f"fwd+bwd, Q {shape}: {len(moves)} moves outside the kernels "
               f"{sorted(op for _, op, _, _ in moves)}, peak HBM "
               f"{aot.compiled_facts(compiled)['peak_hbm_bytes'] / 2**20:.0f} MiB ({aot.LABEL})")
@@ -1249,7 +1250,8 @@ else:
 # > more fills the lanes of the `[block_q, block_kv]` score tile: a choice for speed, not the rule.
 # > Interpret mode does not check the rule; Mosaic's lowering does. The transpose is the simple way to
 # > obey it, not the only one: with head_dim a multiple of 128 the package's kernel reads
-# > `[batch, seq, heads * head_dim]` in 128-lane column blocks, and nothing moves outside it.
+# > `[batch, seq, heads * head_dim]` in 128-lane column blocks, and at 64 two heads to a block, and
+# > nothing moves outside it.
 #
 # > **Takeaway.** Running statistics live in **float32 VMEM scratch**, initialised on the first kv
 # > step and written on the last; the kv axis carries that state, so it is the last grid axis and

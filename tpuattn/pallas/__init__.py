@@ -31,9 +31,13 @@ Public names (the submodules hold the rest):
   * :func:`resolve_interpret`, :func:`races_found`, :func:`reset_races`.
 
 Design in one paragraph each:
-  * Layout: the contract's ``[batch, seq, heads, head_dim]`` is transposed to
-    ``[batch, heads, seq, head_dim]`` and padded (head_dim to 128 lanes, sequences to the block
-    multiples) outside the kernels; padded keys are hidden by the mask's ``kv_idx < kv_len``.
+  * Layout (``layout.py``): the kernels read the contract's ``[batch, seq, heads, head_dim]`` as the
+    free view ``[batch, seq, heads * head_dim]``, a head per 128-lane column block (head_dim a
+    multiple of 128) or two heads to a block (head_dim 64 on an even number of kv heads: a K/V
+    block is a kv head pair's tile, and each query head's lanes are rolled onto its kv head's
+    half); any other head_dim is transposed to ``[batch, heads, seq, head_dim]`` and padded to 128
+    lanes outside the kernels. Sequences are padded to the block multiples; padded keys are
+    hidden by the mask's ``kv_idx < kv_len``.
   * Skipping: a per-outer-block schedule (``plan.py``) is scalar-prefetched; index maps
     read it so a step past a block's count names the block already resident (no DMA) and
     ``pl.when`` skips its compute; the grid's reduction axis is as long as the longest list.
