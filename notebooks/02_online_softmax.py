@@ -359,8 +359,9 @@ if RUN_MEMORY:
 #   `tpuattn.model.roofline.MATERIALISED_FWD_PASSES`, so this cell reads the bytes per score from it.
 # - **Flash** (the schedule of notebook 03's Pallas kernel, `impl="pallas"`): Q read and O written
 #   once; K and V read once per query block, $T / \text{block}_q$ times. No score ever reaches HBM.
-#   This is not what XLA makes of `impl="blockwise"`: there each step's score tile and running state
-#   go through HBM, and notebook 05's model finds that loop memory bound.
+#   This is not what XLA makes of `impl="blockwise"`: there a step's score tile goes through HBM once
+#   it outgrows the VMEM beside the kernels, and notebook 05's model finds that loop memory bound at
+#   long lengths.
 #
 # The chip numbers (peak bfloat16 FLOP/s, HBM bandwidth, per JAX device) come from `tpuattn.chips`,
 # which copies JAX's own table where it agrees with Google Cloud's TPU pages

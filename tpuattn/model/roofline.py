@@ -72,6 +72,7 @@ import numpy as np
 
 from tpuattn import api, chips
 from tpuattn._checks import positive_int
+from tpuattn.impl.blockwise import schedule as blockwise_schedule
 from tpuattn.measure.flops import FORWARD_FLOPS_PER_SCORE, MODES, attention_flops, check_mode
 from tpuattn.pallas.blocks import backward_vmem_bytes, dq_vmem_bytes, forward_vmem_bytes
 from tpuattn.pallas.layout import Layout, padded_head_dim
@@ -564,57 +565,52 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
                 breakdown=tuple(breakdown), visited_fraction=visited / (nq * nk), peak_breakdown=placed)
 
 
-def _kv_steps(mask: MaskSpec, q_block: int, kv_block: int) -> int:
-    """Steps of the blockwise schedule: maximal runs of visible q blocks per kv block."""
-    tiles = mask.block_map(q_block, kv_block) != EMPTY
-    starts = tiles & ~np.vstack([np.zeros((1, tiles.shape[1]), bool), tiles[:-1]])
-    return int(starts.sum())
-
-
-# Per-tile passes of the blockwise step over HBM, bytes per score element (``p`` as above).
-# XLA runs each step as separate fusions around the reductions, so the tile's scores and
-# probabilities are written and read back: to HBM without a chip; given one, in the VMEM beside the
-# kernels' scoped limit where a step's tiles fit it (:func:`_peak`'s rule), and then they cost no HBM
-# traffic (XLA:TPU's blockwise at 2048 tokens on v5e moves 0.089 GB through HBM, where these passes
-# alone would be 0.38 GB: tests/test_aot_model_grid.py).
+# Per-tile passes of the blockwise step through HBM, bytes per score element, as XLA:TPU fuses them
+# (the optimised program of impl="blockwise", causal, 8 heads of 128, bf16, at 8192 tokens on v5e,
+# step by step: tests/test_aot_model_grid.py). Each pass is a matmul whose f32 tile is written once
+# and read by the fusions that consume it, the exponentials, masks and row reductions fused into
+# them; dS (bf16, half P's size) stays on chip. A step's tile costs this only where it does not fit
+# the VMEM beside the kernels' scoped limit (:func:`_peak`'s rule, step by step: at 8192 tokens the
+# two largest of a causal schedule's 16 steps, 8192 and 7680 query rows, spill their 128 and 120 MiB
+# f32 tiles out of v5e's 112 MiB, the 7168-row step's 112 MiB fits), and always without a chip.
 BLOCKWISE_FWD_TILE_PASSES = (
-    ("S tile = Q K^T: write (f32)", lambda p: 4),
-    ("row max: read S", lambda p: 4),
-    ("P = exp(S - m): read S, write P", lambda p: 4 + p),
-    ("row sum and P V: read P twice", lambda p: 2 * p),
+    ("S = Q K^T: write (f32)", lambda p: 4),
+    ("max, exp, row sum and P V fused: read S", lambda p: 4),
+)
+BLOCKWISE_DELTA_TILE_PASSES = (  # the backward's first pass: delta = rowsum(P * dP)
+    ("delta pass: a matmul's tile: write (f32)", lambda p: 4),
+    ("delta pass: exp and rowsum(P * dP) fused: read it", lambda p: 4),
 )
 BLOCKWISE_BWD_TILE_PASSES = (
-    ("S tile recomputed: write (f32)", lambda p: 4),
-    ("P = exp(S - lse): read S, write P", lambda p: 4 + p),
-    ("dV += P^T dO: read P", lambda p: p),
-    ("dP = dO V^T: write (f32)", lambda p: 4),
-    ("dS = P (dP - delta): read P, dP, write dS", lambda p: 2 * p + 4),
-    ("dQ += dS K, dK += dS^T Q: read dS twice", lambda p: 2 * p),
+    ("P = exp(S - lse) fused into Q K^T: write (f32)", lambda p: 4),
+    ("dS = P (dO V^T - delta) fused: read P", lambda p: 4),
+    ("dV += P^T dO: read P", lambda p: 4),
 )
 
 
 def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int, chip: ChipSpec | None = None) -> Cost:
-    """tpuattn.blockwise's schedule: one XLA step per (kv block, run of q blocks that see it).
+    """tpuattn.blockwise's schedule (:func:`tpuattn.impl.blockwise.schedule`): one XLA step per (kv
+    block, run of q blocks that see it).
 
     Each step is one batched matmul over all its query rows, all heads and the GQA group, so
     K_t and V_t are read once per step (per kv head); the step's query rows and their f32
-    running state (acc, max, sum) go through HBM, and its score tiles too unless ``chip`` holds
-    them in VMEM (:data:`BLOCKWISE_FWD_TILE_PASSES`).
+    running state (acc, max, sum) go through HBM unless ``chip`` holds them, and its score tiles
+    where they do not fit (:data:`BLOCKWISE_FWD_TILE_PASSES`). The backward is two passes over the
+    schedule: delta = rowsum(P * dP), then dQ, dK, dV.
     """
     _check_blocks(q_block, kv_block)
     e = _itemsize(spec.dtype)
     p = e
     d = spec.head_dim
     visited, nq, nk, _ = _visited_tiles(spec.mask, q_block, kv_block)
-    steps = _kv_steps(spec.mask, q_block, kv_block)
+    step_rows = [(s.q_hi - s.q_lo) * q_block for s in blockwise_schedule(spec.mask, q_block, kv_block)]
+    steps = len(step_rows)
     q_heads, kv_heads = spec.batch * spec.num_q_heads, spec.batch * spec.num_kv_heads
     q_tile, kv_tile = q_block * d * e, kv_block * d * e
     scores = q_heads * visited * q_block * kv_block
     flops = q_heads * visited * float(FORWARD_FLOPS_PER_SCORE) * q_block * kv_block * d
     state = q_block * d * 4 + 2 * q_block * 4  # acc, max, sum of one q block (f32)
     q_bytes, kv_bytes, _ = _io_bytes(spec)
-    step_rows = q_block * max(1, -(-visited // max(steps, 1)))  # query rows of an average step
-    step_scores = spec.num_q_heads * spec.batch * step_rows * kv_block
 
     def placed(buffers):  # name -> True where _peak's rule keeps the buffer in VMEM (given a chip)
         rows = _peak(0, 0, [(w, b, "temp") for w, b in buffers], chip)[1]
@@ -623,42 +619,47 @@ def _blockwise(impl: str, spec, mode: str, q_block: int, kv_block: int, chip: Ch
     def term(name, nbytes, on_chip):  # a breakdown row: no HBM traffic for a buffer VMEM holds
         return (name + " (on chip)", 0.0) if on_chip else (name, nbytes)
 
-    # What the forward's steps write and read back: the running state of every q block, a step's
-    # S and P. Each is traffic unless the chip's VMEM holds it.
-    fwd_vmem = placed([("state", q_heads * nq * state), ("S", 4 * step_scores), ("P", p * step_scores)])
-    tiles_on_chip = fwd_vmem["S"] and fwd_vmem["P"]
+    # The scores of the steps whose f32 tile does not fit on chip, step by step.
+    step_scores = [q_heads * rows * kv_block for rows in step_rows]
+    spilled = [n for n in step_scores if not placed([("S", 4 * n)])["S"]]
+
+    def tile_terms(prefix, passes):
+        if not spilled:
+            return [(prefix + name + " (on chip)", 0.0) for name, _ in passes]
+        return [(prefix + name + f" ({len(spilled)} of {steps} steps)", per(p) * sum(spilled))
+                for name, per in passes]
+
+    fwd_vmem = placed([("state", q_heads * nq * state)])
     breakdown = [
         ("read K, V (once per step, per kv head)", kv_heads * steps * 2 * kv_tile),
         ("read Q rows (per visited tile)", q_heads * visited * q_tile),
         term("state (acc, max, sum): read + write per visited tile", q_heads * visited * 2 * state,
              fwd_vmem["state"]),
         ("write O and logsumexp", q_heads * nq * (q_tile + 4 * q_block)),
-    ]
-    breakdown += [term("tile: " + name, per(p) * scores, tiles_on_chip)
-                  for name, per in BLOCKWISE_FWD_TILE_PASSES]
+    ] + tile_terms("tile: ", BLOCKWISE_FWD_TILE_PASSES)
     peak = 2 * q_bytes + 2 * kv_bytes + q_heads * nq * state
-    peak += 0 if tiles_on_chip else step_scores * (4 + p)  # one step's S and P
+    peak += 4 * max(spilled, default=0)  # the largest spilled step's f32 tile
     if mode == "fwd+bwd":
         flops += q_heads * visited * 10.0 * q_block * kv_block * d  # S, dP, dV, dQ, dK
-        # the backward's float32 sums (dQ per q block, dK and dV per kv block) and a step's S, P, dP, dS
+        flops += q_heads * visited * 4.0 * q_block * kv_block * d  # the delta pass: S and dP again
+        # the backward's float32 sums: dQ per q block, dK and dV per kv block
         dq_sums, dkv_sums = q_heads * nq * q_block * d * 4, kv_heads * nk * 2 * kv_block * d * 4
-        bwd_vmem = placed([("dQ sums", dq_sums), ("dK, dV sums", dkv_sums), ("S", 4 * step_scores),
-                           ("P", p * step_scores), ("dP", 4 * step_scores), ("dS", p * step_scores)])
-        bwd_tiles_on_chip = all(bwd_vmem[t] for t in ("S", "P", "dP", "dS"))
+        bwd_vmem = placed([("dQ sums", dq_sums), ("dK, dV sums", dkv_sums)])
         breakdown += [
-            ("bwd: delta = rowsum(dO * O): read O, dO", q_heads * nq * 2 * q_tile),
+            ("bwd delta pass: read K, V (per step, per kv head)", kv_heads * steps * 2 * kv_tile),
+            ("bwd delta pass: read Q, dO, lse per visited tile; write delta",
+             q_heads * visited * (2 * q_tile + 8 * q_block) + q_heads * nq * 4 * q_block),
+        ] + tile_terms("bwd ", BLOCKWISE_DELTA_TILE_PASSES) + [
             ("bwd: read K, V (per step, per kv head)", kv_heads * steps * 2 * kv_tile),
             term("bwd: dK, dV f32 sums read + write per step", kv_heads * steps * 2 * 2 * kv_block * d * 4,
                  bwd_vmem["dK, dV sums"]),
-            ("bwd: read Q, dO, lse, delta per visited tile", q_heads * visited * (2 * q_tile + 8 * q_block)),
+            ("bwd: read Q, dO, lse, delta per visited tile", q_heads * visited * (2 * q_tile + 12 * q_block)),
             term("bwd: dQ f32 sums read + write per visited tile", q_heads * visited * 2 * q_block * d * 4,
                  bwd_vmem["dQ sums"]),
-        ]
-        breakdown += [term("bwd tile: " + name, per(p) * scores, bwd_tiles_on_chip)
-                      for name, per in BLOCKWISE_BWD_TILE_PASSES]
+        ] + tile_terms("bwd tile: ", BLOCKWISE_BWD_TILE_PASSES)
         peak += 2 * q_bytes + 2 * kv_bytes + q_heads * nq * q_block * d * 4
     return Cost(impl=impl, mode=mode, schedule="blockwise (XLA loop)", flops=flops,
-                transcendentals=float(scores * (1 if mode == "fwd" else 2) * transcendentals_per_score(spec)),
+                transcendentals=float(scores * (1 if mode == "fwd" else 3) * transcendentals_per_score(spec)),
                 standard_flops=standard_flops(spec, mode), hbm_bytes=sum(b for _, b in breakdown),
                 peak_hbm_bytes=float(peak), vmem_bytes=0.0, breakdown=tuple(breakdown),
                 visited_fraction=visited / (nq * nk))
