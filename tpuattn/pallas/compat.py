@@ -4,8 +4,10 @@
   (0.10) or ``ShapeDtypeStruct(..., vma=)`` (0.7);
 * the TPU simulator's race flag: ``jax._src.pallas.mosaic.interpret.races`` (0.7.x, one module) or
   ``jax._src.pallas.mosaic.interpret.interpret_pallas_call.races`` (a package from 0.8);
-* a lane rotation of 16-bit data: Mosaic of JAX 0.7 rotates 32-bit data only ("not implemented:
-  Rotate with non-32-bit data"); from 0.8 any (:func:`roll_lanes`).
+* a lane rotation of 16-bit data: Mosaic before JAX 0.10 rotates 32-bit data only in some of the
+  kernels' rolls ("not implemented: Rotate with non-32-bit data": the paired forward on 0.7.2, the
+  paired backward of 8 heads of 64 on 0.7.2, 0.8.3 and 0.9.2); 0.10.2 rotates any
+  (:func:`roll_lanes`).
 
 * none yet, but named here: :data:`INTERPRETER_READS_VARYING_TABLES`.
 
@@ -23,8 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-# Mosaic rotates 16-bit vectors from JAX 0.8 on (checked: 0.7.2 refuses, 0.8.3, 0.9.2, 0.10.2 compile).
-ROTATES_16_BIT = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 8)
+# Mosaic rotates every 16-bit vector the kernels roll from JAX 0.10 on (checked for v5e: 0.7.2, 0.8.3
+# and 0.9.2 refuse some; 0.10.2 compiles every kernel, tests/test_aot_pallas_gqa.py).
+ROTATES_16_BIT = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 10)
 
 
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
