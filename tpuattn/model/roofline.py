@@ -35,11 +35,12 @@ the model takes f32 peak = bf16 peak / 6. That is a *modelled* number, not a pub
 * ``"flash (row-sum pass)"``: the same, with a third backward pass first that sums
   delta = rowsum(P * dP) over the visited tiles (tpuattn's Pallas kernel: two more matmuls per tile
   and one more read of K and V, for gradients that stay exact on nearly one-hot rows);
-* ``"blockwise (XLA loop)"``: the same tiles in a pure-JAX loop, whose steps XLA runs as separate
-  fusions: each visited tile's f32 score block and the running ``(acc, max, sum)`` state make a
-  round trip through HBM, unless (given a chip) they fit the VMEM beside the kernels' scoped limit,
-  as XLA:TPU keeps them (``tests/test_aot_model_grid.py`` holds the bound below the compiled program's
-  HBM traffic; at 8192 tokens the backward's is a known gap: XLA fuses more than the model credits).
+* ``"blockwise (XLA loop)"``: the same tiles in a pure-JAX loop, each step a few fusions around its
+  matmuls (:data:`BLOCKWISE_FWD_TILE_PASSES`, read from XLA:TPU's optimised program): a step's f32
+  score tile makes a round trip through HBM, and the running ``(acc, max, sum)`` state too, unless
+  (given a chip) it fits the VMEM beside the kernels' scoped limit, step by step
+  (``tests/test_aot_model_grid.py`` holds the bound between the compulsory bytes and the compiled
+  program's HBM traffic, forward and forward+backward at 2048 and 8192 tokens).
 
 The predicted time is the lower bound ``max(flops / peak, bytes / bandwidth)`` (:func:`predict`).
 The vector unit's work is counted (``Cost.transcendentals``: one exp per computed score and per pass
