@@ -86,9 +86,7 @@ def _dq_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_heads, g
     q_ref, k_ref, v_ref, do_ref, lse_ref = inputs[:5]
     delta_ref = None if row_sums_only else inputs[5]
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    # Paired heads: the step's first query head within its kv pair's, and each head's half of K/V.
-    first = jax.lax.rem(pl.program_id(1), jnp.int32(layout.pack * group_size // q_heads)) * q_heads
-    kv_half = functools.partial(plan.kv_half, layout, group_size, first)
+    kv_half = plan.step_kv_half(layout, group_size, q_heads)  # paired heads: each head's half of K/V
 
     @pl.when(step == 0)
     def _init():

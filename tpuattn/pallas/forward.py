@@ -43,9 +43,7 @@ def _forward_kernel(*refs, sched, mask, scale, softcap, block_q, block_kv, q_hea
     prefetch, (q_ref, k_ref, v_ref), (q_seg_ref, kv_seg_ref), rest = plan.split_refs(refs, 3, has_segments)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    # Paired heads: the step's first query head within its kv pair's, and each head's half of K/V.
-    first = jax.lax.rem(pl.program_id(1), jnp.int32(layout.pack * group_size // q_heads)) * q_heads
-    kv_half = functools.partial(plan.kv_half, layout, group_size, first)
+    kv_half = plan.step_kv_half(layout, group_size, q_heads)  # paired heads: each head's half of K/V
     # Without a softcap the kernel keeps the logits unscaled and folds the scale into the one multiply
     # before exp2: the max commutes with a positive scale, rounding included (rounding is monotone),
     # so m * scale is bitwise the max the backward's scaled logits reach. With a softcap the capped

@@ -36,6 +36,7 @@ evaluating them over the grid.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.extend.core as jax_core
@@ -344,6 +345,17 @@ def q_heads_per_step(spec, pass_name: str, block_q: int, block_kv: int) -> int:
     pack, group, _ = head_units(spec)
     return fit_q_heads(group, lambda h: need(block_q, block_kv, d, itemsize, h), chips.target_chip(),
                        multiple_of=pack)
+
+
+def step_kv_half(layout, group_size: int, q_heads: int):
+    """:func:`kv_half` for the forward-grid kernels (forward, row sums, dQ): ``h -> `` the kv half of
+    query head ``h`` of the step, whose head block (grid axis 1) starts ``first`` heads into its kv
+    pair's query heads. Without paired heads, always 0 (nothing computed)."""
+    if layout.pack == 1:
+        return lambda h: 0
+    blocks_per_pair = layout.pack * group_size // q_heads
+    first = jax.lax.rem(pl.program_id(1), jnp.int32(blocks_per_pair)) * q_heads
+    return functools.partial(kv_half, layout, group_size, first)
 
 
 def kv_half(layout, group_size: int, first, h):
