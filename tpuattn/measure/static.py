@@ -149,13 +149,14 @@ def mosaic_file(out: str | os.PathLike, kernel: str, stage: str = "original") ->
 
 
 def kernel_names(out: str | os.PathLike) -> list[str]:
-    """The Pallas kernels a dump holds, in compile order."""
+    """The Pallas kernels a dump holds, by name (the dump's file names carry ids that differ between
+    runs, so their order is not the compile order)."""
     names = []
     for path in sorted(Path(out, "mosaic").glob("*-original.txt")):
         named = _mosaic_name(path)
         names += [named] if named else [n for n in re.findall(r"func\.func @(\w+)\(", path.read_text())
                                         if not n.startswith("transform_")]
-    return list(dict.fromkeys(names))
+    return sorted(set(names))
 
 
 def read_bundles(path: str | os.PathLike) -> dict:
