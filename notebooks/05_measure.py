@@ -463,8 +463,9 @@ style.close(fig)
 # %% [markdown]
 # The stars sit below the roof by the fractions printed above (and beside each star); the dotted
 # line from each star up to the roof is what that run left on the table. The gap has causes the
-# model leaves out: the vector unit's share of the softmax (the model counts one exp per computed
-# score, `Cost.transcendentals`, but no chip has a published exp rate to turn that into time),
+# model leaves out: the vector unit's other softmax work (the model times the exps, one per computed
+# score at one float32 vector register a cycle, a rate derived from the compiled bundles and the clock
+# the peak implies since no chip publishes one, but not the max, subtract and rescale around them),
 # pipeline bubbles, launch overhead, and at small sizes a grid too short to fill the chip.
 
 # %% [markdown]

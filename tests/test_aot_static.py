@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers import require_tpu_compiler
 
+from tpuattn import chips
 from tpuattn.measure import static
 
 require_tpu_compiler()
@@ -48,6 +49,30 @@ def test_lesson_kernel_bundles(dtype, itemsize, tmp_path):
     else:  # float32 at default precision: at least one pass per register, more if split into bf16 passes
         assert row.vmatmul >= row.ideal_vmatmul == 16
     assert static.mosaic_file(tmp_path, "scores_kernel", "post-finalize-llo").exists()
+
+
+# exp2 over float32 blocks of 512 x 512, one per step of a 4-step grid: the roofline's exp rate.
+EXPS = """
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+def exp_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.exp2(x_ref[...])
+def FN(x):
+    spec = pl.BlockSpec((512, 512), lambda i: (i, 0))
+    return pl.pallas_call(exp_kernel, grid=(4,), in_specs=[spec], out_specs=spec,
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+ARGS = [jax.ShapeDtypeStruct((2048, 512), jnp.float32)]
+"""
+
+
+@pytest.mark.parametrize("chip", ["v4", "v5e", "v5p", "v6e"])
+def test_the_exp_rate_is_what_the_compiler_schedules(chip, tmp_path):
+    # tpuattn.chips.EUP: one float32 vector register (8 x 128 values) per EUP push, at most one push
+    # per bundle. A 512 x 512 block is 512 * 512 / 1024 = 256 registers: 256 pushes, in no fewer bundles.
+    (row,) = static.report(EXPS, chip, out_dir=tmp_path)
+    assert row.eup == 512 * 512 // chips.EUP_VREG_ELEMENTS == 256, (chip, row.eup)
+    assert row.eup_per_bundle == chips.EUP_PUSHES_PER_CYCLE == 1, (chip, row.eup_per_bundle)
+    assert row.loop_bundles >= row.eup
 
 
 def test_package_kernels():

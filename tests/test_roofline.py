@@ -145,7 +145,7 @@ def test_flash_peak_places_copies_in_the_results_and_the_rest_in_vmem():
         roofline._peak(0, 0, [("x", 1, "tmp")], None)
 
 
-def test_transcendentals_are_counted_but_no_rate_is_invented():
+def test_transcendentals_are_counted_and_timed_at_the_derived_rate():
     spec = roofline.problem(1024, heads=2, head_dim=128, causal=True)
     fwd = roofline.cost("pallas", spec, "fwd", q_block=128, kv_block=128)
     visited, _ = roofline.visited_tiles(spec, 128, 128)
@@ -162,15 +162,56 @@ def test_transcendentals_are_counted_but_no_rate_is_invented():
             plain = roofline.cost(impl, spec, mode, q_block=128, kv_block=128).transcendentals
             capped_count = roofline.cost(impl, capped, mode, q_block=128, kv_block=128).transcendentals
             assert capped_count == 2 * plain > 0
+    # the rate: one float32 vector register (8 x 128) per cycle, at the clock v5e's peak implies with
+    # its 4 MXUs of 128 x 128 (197 TFLOP/s / (2 * 4 * 128^2) = 1.503 GHz)
     p = roofline.predict("pallas", spec, "v5e", "fwd")
-    assert p.chip.transcendentals_per_second is None and p.vector_s is None
-    assert p.time_s == max(p.compute_s, p.memory_s) and p.as_dict()["vector_s"] is None
-    # with a rate, the exps join the bound
+    rate = 197e12 / (2 * 4 * 128 * 128) * 8 * 128
+    assert p.chip.transcendentals_per_second == pytest.approx(rate, rel=1e-9)
+    assert p.vector_s == pytest.approx(p.cost.transcendentals / rate)
+    assert p.as_dict()["vector_s"] == p.vector_s
+    assert p.time_s == max(p.compute_s, p.memory_s, p.vector_s)
+    # per device: the megacore v5p's device is the chip (two TensorCores at 4 MXUs, 459 TFLOP/s); a v3
+    # device one TensorCore (2 MXUs, half of 140 TFLOP/s)
+    assert roofline.chip_spec("v5p").transcendentals_per_second == pytest.approx(
+        2 * (459e12 / 2) / (2 * 4 * 128 * 128) * 1024, rel=1e-9)
+    assert roofline.chip_spec("v3").transcendentals_per_second == pytest.approx(
+        (140e12 / 2) / (2 * 2 * 128 * 128) * 1024, rel=1e-9)
+    # with a faster vector unit than matmul unit the exps bind; without a rate they are left out
     import dataclasses
 
     fast = dataclasses.replace(p.chip, transcendentals_per_second=p.cost.transcendentals / 1.0)
     q = roofline.Prediction(cost=p.cost, chip=fast, compute_s=p.compute_s, memory_s=p.memory_s)
     assert q.vector_s == pytest.approx(1.0) and q.time_s == q.vector_s and q.bound == "vector"
+    none = dataclasses.replace(p.chip, transcendentals_per_second=None)
+    r = roofline.Prediction(cost=p.cost, chip=none, compute_s=p.compute_s, memory_s=p.memory_s)
+    assert r.vector_s is None and r.time_s == max(p.compute_s, p.memory_s)
+
+
+@pytest.mark.skipif(not roofline.jax_has_tpu_info(), reason="pltpu.get_tpu_info_for_chip needs JAX >= 0.8.1")
+@pytest.mark.parametrize("chip", chips.NAMES)
+def test_the_exp_rate_from_jax_tpu_info_matches_the_table(chip):
+    # the same derivation from JAX's own per-TensorCore record (num_mxus, mxu_column_size, lanes,
+    # sublanes) as from the table's per-chip figures
+    table, jax_spec = roofline.chip_spec(chip), roofline.chip_spec(chip, source="jax")
+    assert jax_spec.transcendentals_per_second == pytest.approx(table.transcendentals_per_second, rel=0.01)
+
+
+def test_the_exps_bind_only_where_the_matmuls_are_thin():
+    # FlashAttention-3's argument on a TPU: per score, fwd does 4 * head_dim FLOPs on the MXU and one
+    # exp on the EUP. The exps stay under the matmuls at head_dim 128 on every chip in the table
+    # (bf16, causal, 8192 tokens), and come within 2x of them at head_dim 64 somewhere.
+    closest = []
+    for chip in chips.NAMES:
+        for head_dim in (64, 128):
+            spec = roofline.problem(8192, heads=8, head_dim=head_dim, dtype="bfloat16", causal=True)
+            p = roofline.predict("splash", spec, chip, "fwd")
+            assert p.vector_s > 0 and p.vector_s == pytest.approx(p.cost.transcendentals
+                                                                  / p.chip.transcendentals_per_second)
+            if head_dim == 128:
+                assert p.vector_s < p.compute_s, (chip, p.vector_s, p.compute_s)
+            else:
+                closest.append(p.compute_s / p.vector_s)
+    assert min(closest) <= 2.0, closest
 
 
 def test_flash_counts_by_hand():

@@ -56,6 +56,25 @@ class Chip:
     # them (None where this table does not carry them; see ICI below).
     ici_bandwidth: float | None = None
     ici_ports: int | None = None
+    # The MXUs of one TensorCore and their side, as JAX's tpu_info table gives them (num_mxus,
+    # mxu_column_size): with the peak they fix the clock (see clock_hz).
+    mxus: int = 4
+    mxu_size: int = 128
+
+    @property
+    def clock_hz(self) -> float:
+        """The TensorCore clock the peak implies: ``bf16 FLOP/s per TensorCore / (2 x mxus x mxu_size^2)``,
+        every MXU cell one multiply-add a cycle (v4: 1.05 GHz, v5e: 1.50, v5p: 1.75). Derived, not
+        published: where JAX's table undercounts the MXUs (it gives v6e and tpu7x two each) the clock
+        comes out high, which only lowers the bounds that divide by it (see EUP below)."""
+        return self.bf16_flops / self.tensor_cores / (2 * self.mxus * self.mxu_size**2)
+
+    @property
+    def exp_per_second(self) -> float:
+        """float32 exps (or any transcendental) per second per chip: each TensorCore's transcendental
+        unit (EUP) takes one vector register a cycle, :data:`EUP_VREG_ELEMENTS` values, at
+        :attr:`clock_hz` (see EUP below: compiled (static) and derived, not published)."""
+        return self.tensor_cores * self.clock_hz * EUP_PUSHES_PER_CYCLE * EUP_VREG_ELEMENTS
 
     @property
     def ici_link_bandwidth(self) -> float | None:
@@ -82,23 +101,26 @@ class Chip:
         link = self.ici_link_bandwidth
         return {"bf16_flops": self.bf16_flops * share, "hbm_bandwidth": self.hbm_bandwidth * share,
                 "hbm_bytes": self.hbm_bytes * share,
-                "ici_link_bandwidth": None if link is None else link * share}
+                "ici_link_bandwidth": None if link is None else link * share,
+                "exp_per_second": self.exp_per_second * share}
 
 
 # Per chip, from JAX's tpu_info.py (0.10.2), except v5p's HBM bandwidth (see V5P_HBM below). Device kinds as
 # JAX's chip_version_from_device_kind reads them.
 CHIPS: dict[str, Chip] = {chip.name: chip for chip in (
-    Chip("v2", 2, False, 4.6e13, 7.16e11, 16.0e9, 16 * MIB, "v2:2x2x1", ("TPU v2",), bf16_matmul=False),
-    Chip("v3", 2, False, 1.40e14, 8.25e11, 34.4e9, 16 * MIB, "v3:2x2x1", ("TPU v3",), bf16_matmul=False),
+    Chip("v2", 2, False, 4.6e13, 7.16e11, 16.0e9, 16 * MIB, "v2:2x2x1", ("TPU v2",), bf16_matmul=False,
+         mxus=1),
+    Chip("v3", 2, False, 1.40e14, 8.25e11, 34.4e9, 16 * MIB, "v3:2x2x1", ("TPU v3",), bf16_matmul=False,
+         mxus=2),
     Chip("v4", 2, True, 2.75e14, 1.23e12, 34.4e9, 16 * MIB, "v4:2x2x1", ("TPU v4",)),
     Chip("v5e", 1, False, 1.97e14, 8.20e11, 17.2e9, 128 * MIB, "v5e:2x2", ("TPU v5 lite", "TPU v5e"),
          ici_bandwidth=400e9, ici_ports=4),
     Chip("v5p", 2, True, 4.59e14, 2.765e12, 103.0e9, 64 * MIB, "v5p:2x2x1", ("TPU v5", "TPU v5p"),
          kernel_vmem_bytes=64 * MIB, ici_bandwidth=1200e9, ici_ports=6),
     Chip("v6e", 1, False, 9.20e14, 1.64e12, 34.4e9, 128 * MIB, "v6e:2x2", ("TPU v6 lite", "TPU v6e"),
-         kernel_vmem_bytes=32 * MIB),
+         kernel_vmem_bytes=32 * MIB, mxus=2, mxu_size=256),
     Chip("tpu7x", 2, False, 2.31e15, 7.40e12, 206.0e9, 64 * MIB, "tpu7x:2x2x1", ("TPU7x",),
-         kernel_vmem_bytes=64 * MIB),
+         kernel_vmem_bytes=64 * MIB, mxus=2, mxu_size=256),
 )}
 NAMES = tuple(CHIPS)
 # ``kernel_vmem_bytes``: the VMEM a Pallas kernel may use without raising ``vmem_limit_bytes``, as
@@ -119,6 +141,19 @@ NOT_FROM_JAX = {"v5p": f"HBM bandwidth from {V5P_HBM_BANDWIDTH_SOURCE}"}
 # (https://cloud.google.com/tpu/docs/v5p, 3D torus: 6 neighbours). One link one way is then 50 GB/s
 # on v5e and 100 GB/s on v5p ("How to Scale Your Model", ch. 2, tabulates 4.5e10 and 9e10 B/s).
 # Only the two chips whose slices the slice report compiles carry them.
+
+# EUP: the transcendental unit's rate, which no Google page nor JAX's table states. Two facts give it.
+# (1) What the TPU compiler makes of an exp: libtpu (0.0.42.1, compile-only) turns jnp.exp2 over a
+# float32 block into one `vpow2` push to the EUP per vector register (8 sublanes x 128 lanes, JAX's
+# num_sublanes x num_lanes) and schedules at most one push per VLIW bundle, one bundle a cycle, on v4,
+# v5e, v5p and v6e alike (compiled (static); tests/test_aot_static.py holds both on each chip).
+# (2) The clock the peak FLOP/s and JAX's MXU table imply (Chip.clock_hz). The rate is then an upper
+# bound on what the unit can do, so the time it gives (roofline's vector term) is a lower bound.
+EUP_VREG_ELEMENTS = 8 * 128  # float32 values in one vector register
+EUP_PUSHES_PER_CYCLE = 1     # compiled (static): at most one EUP push per bundle
+EUP_SOURCE = ("derived: one float32 vector register (8 x 128) per cycle through the EUP, the most "
+              "libtpu 0.0.42.1 schedules (compiled (static)), at the clock the peak bf16 FLOP/s and "
+              "JAX's MXU table imply")
 
 # Off a TPU (and for a chip this table does not know) the kernels budget for the smallest VMEM.
 DEFAULT_VMEM_BYTES = 16 * MIB

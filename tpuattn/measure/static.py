@@ -35,13 +35,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tpuattn import chips
+
 LABEL = "compiled (static)"
 # Each libtpu flag above, as one string for LIBTPU_INIT_ARGS (``{dir}`` filled in).
 FLAGS = ("--xla_jf_dump_to={dir}/llo --xla_jf_dump_llo_text=true "
          "--xla_jf_dump_llo_pass_label_regex=final_bundles --xla_mosaic_dump_to={dir}/mosaic")
-# The MXU's side in each generation (a square systolic array): 128 through v5p, 256 on v6e and later
-# (Google Cloud's TPU architecture pages).
-MXU_DIM = {"v2": 128, "v3": 128, "v4": 128, "v5e": 128, "v5p": 128, "v6e": 256, "tpu7x": 256}
 
 _BUNDLE = re.compile(r"^\s*(?:0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:\s*(>*)\s*\{")
 _MATMUL = re.compile(r"tpu\.matmul .*?: vector<(\d+)x(\d+)x(\w+)>, vector<[^>]*>, vector<[^>]*> -> "
@@ -51,7 +50,7 @@ _OPCODE = re.compile(r"=\s*(v[a-z0-9]+(?:\.[\w]+)*)")
 # (EUP) pushes; loads, stores, matmul pushes and result pops are neither. Names as libtpu prints them.
 VALU_OPS = frozenset({"vadd", "vsub", "vmul", "vmax", "vmin", "vsel", "vcmp", "vand", "vor", "vxor",
                       "vpack", "vcvt", "vweird", "vmand", "vmor"})
-EUP_OPS = frozenset({"vpow2", "vtanh", "vrcp", "vlog2", "vrsqrt", "vexp", "vsqrt", "vsigmoid"})
+EUP_OPS = frozenset({"vpow2", "vpow", "vtanh", "vrcp", "vlog2", "vrsqrt", "vexp", "vsqrt", "vsigmoid"})
 _CHILD = """
 import os, sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -77,6 +76,7 @@ class KernelStatic:
     vmatmul: int               # vmatmul instructions inside the loop (every branch)
     valu: int                  # vector-ALU arithmetic inside the loop (vadd, vsub, vmul, vmax, vsel, ...)
     eup: int                   # pushes to the transcendental unit inside the loop (vpow2, vtanh, vrcp, ...)
+    eup_per_bundle: int        # the most EUP pushes in one bundle of the loop (chips.EUP_PUSHES_PER_CYCLE)
     matmuls: tuple             # (M, K, N, lhs dtype) of each tpu.matmul in the kernel's MLIR
     ideal_vmatmul: int | None  # the fewest vmatmuls those matmuls need on this chip's MXU
     label: str = LABEL
@@ -162,7 +162,7 @@ def kernel_names(out: str | os.PathLike) -> list[str]:
 def read_bundles(path: str | os.PathLike) -> dict:
     """Count a final-bundles file: every bundle, the innermost loop's depth and bundles, the
     ``vmatmul`` instructions inside loops, and in the innermost loop the vector-ALU arithmetic and
-    the transcendental unit's pushes (:data:`VALU_OPS`, :data:`EUP_OPS`)."""
+    the transcendental unit's pushes (:data:`VALU_OPS`, :data:`EUP_OPS`), in all and the most in a bundle."""
     depths, vmatmul, mnemonics = [], 0, []
     for line in Path(path).read_text().splitlines():
         match = _BUNDLE.match(line)
@@ -174,10 +174,12 @@ def read_bundles(path: str | os.PathLike) -> dict:
             vmatmul += len(re.findall(r"= vmatmul[.\s]", line))
             mnemonics.append((depth, _OPCODE.findall(line)))
     deepest = max(depths, default=0)
-    inner = [op.split(".")[0] for depth, ops in mnemonics if depth == deepest for op in ops]
+    inner = [[op.split(".")[0] for op in ops] for depth, ops in mnemonics if depth == deepest]
+    eup = [sum(op in EUP_OPS for op in ops) for ops in inner]
     return dict(bundles=len(depths), loop_depth=deepest,
                 loop_bundles=sum(d == deepest for d in depths) if deepest else 0, vmatmul=vmatmul,
-                valu=sum(op in VALU_OPS for op in inner), eup=sum(op in EUP_OPS for op in inner))
+                valu=sum(op in VALU_OPS for ops in inner for op in ops), eup=sum(eup),
+                eup_per_bundle=max(eup, default=0))
 
 
 def matmuls(mlir: str) -> tuple:
@@ -192,9 +194,9 @@ def matmuls(mlir: str) -> tuple:
 def ideal_vmatmul(shapes, chip: str = "v5e") -> int:
     """The fewest ``vmatmul`` instructions for these matmuls: one per LHS vector register (8 sublanes of
     32-bit words: 8 float32 or 16 bfloat16 rows) per MXU-sized weight tile."""
-    if chip not in MXU_DIM:
-        raise ValueError(f"chip: expected one of {sorted(MXU_DIM)}, got {chip!r}")
-    mxu = MXU_DIM[chip]
+    if chip not in chips.CHIPS:
+        raise ValueError(f"chip: expected one of {sorted(chips.CHIPS)}, got {chip!r}")
+    mxu = chips.CHIPS[chip].mxu_size  # the MXU's side: 128 through v5p, 256 from v6e
     total = 0
     for m_rows, k_cols, n_cols, dtype in shapes:
         bits = int(re.sub(r"\D", "", dtype) or 32)

@@ -42,11 +42,14 @@ the model takes f32 peak = bf16 peak / 6. That is a *modelled* number, not a pub
   (``tests/test_aot_model_grid.py`` holds the bound between the compulsory bytes and the compiled
   program's HBM traffic, forward and forward+backward at 2048 and 8192 tokens).
 
-The predicted time is the lower bound ``max(flops / peak, bytes / bandwidth)`` (:func:`predict`).
-The vector unit's work is counted (``Cost.transcendentals``: one exp per computed score and per pass
-that recomputes P, and with a softcap one tanh beside each exp), but no chip has a published exp
-rate to turn it into time (:data:`TRANSCENDENTALS`), so the bound leaves out the exps (which on TPUs
-can be the real limit for ``head_dim <= 128``), pipeline bubbles and launch overhead; measured times
+The predicted time is the lower bound ``max(flops / peak, bytes / bandwidth, exps / exp rate)``
+(:func:`predict`). The vector unit's work is counted (``Cost.transcendentals``: one exp per computed
+score and per pass that recomputes P, and with a softcap one tanh beside each exp) and timed at the
+chip's transcendental rate (:data:`TRANSCENDENTALS`: one float32 vector register a cycle through the
+EUP, derived from the compiled bundles and the clock the peak implies, an upper bound on the rate, so
+the term stays a lower bound). FlashAttention-3's argument, that the exps can bound a flash kernel at
+``head_dim <= 128``, is then the model's ``bound == "vector"``. It leaves out the vector ALU's other
+work (the max, the subtractions, the rescales), pipeline bubbles and launch overhead; measured times
 are therefore expected above it.
 
 **Peak HBM.** ``Cost.peak_hbm_bytes`` is the call's arguments and results plus the temporaries XLA:TPU
@@ -110,8 +113,8 @@ class ChipSpec:
     source: str  # where the numbers come from
     kernel_vmem_bytes: int = 16 * MIB  # what a kernel gets (tpuattn.chips.Chip.kernel_vmem_bytes)
     ici_link_bandwidth: float | None = None  # one-way bytes/s of one ICI link, this device's share
-    # exp (transcendental) evaluations per second per device: None on every chip, for want of a
-    # citable figure (see TRANSCENDENTALS below); predict() then leaves the vector-unit term out
+    # exp (transcendental) evaluations per second per device (see TRANSCENDENTALS below); None leaves
+    # the vector-unit term out of predict()
     transcendentals_per_second: float | None = None
 
     @property
@@ -164,7 +167,8 @@ def _from_table(chip: chips.Chip) -> ChipSpec:
                     tensor_cores=chip.cores_per_device,
                     source="tpuattn.chips (JAX's tpu_info table" + (
                         f"; {chips.NOT_FROM_JAX[chip.name]})" if chip.name in chips.NOT_FROM_JAX else ")"),
-                    kernel_vmem_bytes=chip.kernel_vmem_bytes, ici_link_bandwidth=device["ici_link_bandwidth"])
+                    kernel_vmem_bytes=chip.kernel_vmem_bytes, ici_link_bandwidth=device["ici_link_bandwidth"],
+                    transcendentals_per_second=device["exp_per_second"])
 
 
 def _from_jax(chip: chips.Chip) -> ChipSpec:
@@ -175,13 +179,16 @@ def _from_jax(chip: chips.Chip) -> ChipSpec:
     info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip.name.removeprefix("tpu")),
                                        chip.cores_per_device)
     cores = info.num_cores
+    clock = info.bf16_ops_per_second / (2 * info.num_mxus * info.mxu_column_size**2)  # chips.Chip.clock_hz
+    exps = cores * clock * chips.EUP_PUSHES_PER_CYCLE * info.num_sublanes * info.num_lanes
     return ChipSpec(name=chip.name, bf16_flops=float(info.bf16_ops_per_second) * cores,
                     hbm_bandwidth=float(info.mem_bw_bytes_per_second) * cores,
                     hbm_capacity=float(info.hbm_capacity_bytes) * cores,
                     vmem_bytes=int(info.vmem_capacity_bytes), tensor_cores=cores,
                     source=f"pltpu.get_tpu_info_for_chip (JAX {jax.__version__})",
                     kernel_vmem_bytes=chip.kernel_vmem_bytes,
-                    ici_link_bandwidth=chip.per_device()["ici_link_bandwidth"])  # JAX has no ICI figures
+                    ici_link_bandwidth=chip.per_device()["ici_link_bandwidth"],  # JAX has no ICI figures
+                    transcendentals_per_second=float(exps))
 
 
 def chip_spec(name, *, source: str = "table") -> ChipSpec:
@@ -324,12 +331,13 @@ def _arguments_and_results(q_bytes: float, kv_bytes: float, mode: str) -> float:
 
 # TRANSCENDENTALS: the vector unit evaluates one exp per computed score (FlashAttention-3's argument:
 # at head_dim 128 the exps, not the matmuls, can bound a flash kernel). The model counts them
-# (Cost.transcendentals) but has no per-chip throughput to divide them by: neither Google Cloud's TPU
-# pages, nor JAX's tpu_info table (pltpu.get_tpu_info_for_chip: MXU, HBM and VMEM figures only), nor
-# the scaling book ("How to Scale Your Model", ch. 2) publishes a transcendental rate per chip, and a
-# number read off instruction counts would be this project's own estimate, not a source. So
-# ChipSpec.transcendentals_per_second is None and Prediction.vector_s is None until one is published.
-TRANSCENDENTALS = "no published per-chip transcendental (exp) rate; the vector-unit term is left out"
+# (Cost.transcendentals, held to the compiled kernels' EUP pushes by tests/test_aot_static.py) and
+# divides them by ChipSpec.transcendentals_per_second. Neither Google Cloud's TPU pages, nor JAX's
+# tpu_info table, nor the scaling book ("How to Scale Your Model", ch. 2) publishes that rate, so it is
+# derived (tpuattn.chips, EUP): one float32 vector register per cycle, the most the compiler schedules,
+# at the clock the peak FLOP/s and the MXU table imply. An overestimate of the rate only lowers the
+# vector term, which keeps it a lower bound.
+TRANSCENDENTALS = chips.EUP_SOURCE
 
 # Kinds of a temporary buffer, for :func:`_peak`: "copy" is consumed before the call's results are
 # written (a layout copy of an input, the forward's output in a gradient), so it may share a result's
@@ -714,8 +722,8 @@ class Prediction:
 
     @property
     def vector_s(self) -> float | None:
-        """The exps at the chip's transcendental rate; None where no rate is published (every chip
-        today: see :data:`TRANSCENDENTALS`), and then left out of :attr:`time_s`."""
+        """The exps at the chip's transcendental rate (:data:`TRANSCENDENTALS`); None for a
+        :class:`ChipSpec` built without one, and then left out of :attr:`time_s`."""
         rate = self.chip.transcendentals_per_second
         return None if rate is None else self.cost.transcendentals / rate
 
@@ -755,7 +763,7 @@ class Prediction:
 
 def predict(impl: str, spec, chip, mode: str = "fwd", *, precision: str = "highest",
             **schedule) -> Prediction:
-    """Lower-bound time ``max(flops / peak, bytes / bandwidth)`` of ``impl`` on ``chip``
+    """Lower-bound time ``max(flops / peak, bytes / bandwidth, exps / exp rate)`` of ``impl`` on ``chip``
     (``precision`` as in :meth:`ChipSpec.peak_flops`)."""
     chip = _as_chip_spec(chip)
     c = cost(impl, spec, mode, chip=chip, **schedule)
