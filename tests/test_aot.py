@@ -128,6 +128,22 @@ def test_default_blocks_compile_at_full_size(chip):
 
 
 @pinned_compiler
+@pytest.mark.parametrize("chip", chips.NAMES)
+def test_paired_heads_default_blocks_compile_on_every_chip(chip):
+    # head_dim 64, a kv head pair to a 128-lane tile: every grid step holds two heads, so the defaults
+    # are the compiler's head_dim 64 rows (compiled with a pair), not head_dim 128's. float32, the
+    # widest (on v3, 128's 512 x 512 backward spilled 4 MiB of registers: 19.9 MiB of 16 VMEM).
+    from tpuattn.pallas.blocks import compiled_pairs, default_block_sizes
+
+    sizes = default_block_sizes(64, "float32", chip=chip, pack=2)
+    for kernel, blocks in (("forward", sizes.forward), ("backward", sizes.backward)):
+        assert (blocks.block_q, blocks.block_kv) in compiled_pairs(chip, kernel, 64, "float32", pack=2), (
+            chip, kernel, blocks)
+    _check(aot.compile_row(chip, "pallas", "fwd+bwd", aot.Problem(seq_len=1024, heads=2, head_dim=64,
+                                                                     dtype="float32")))
+
+
+@pinned_compiler
 @pytest.mark.parametrize("pick", ["CompileTimeScopedVmemOom", "compile permanent error", "ok"])
 def test_committed_block_table_reproduces(pick):
     # A row of the committed table compiled again: the first compile error of each kind the compiler
@@ -145,6 +161,25 @@ def test_committed_block_table_reproduces(pick):
     assert again["status"] == row["status"], (row, again["error"])
     if pick != "ok":
         assert pick in again["error"], again["error"]
+
+
+@pinned_compiler
+def test_committed_paired_block_table_reproduces():
+    # The paired table's reason to be, compiled again: on v3, float32, head_dim 64 with a kv head pair
+    # a step, head_dim 128's default backward blocks (512 x 512) overflow VMEM, and the paired default
+    # compiles.
+    from tpuattn.pallas.blocks import compiled_table, default_block_sizes
+
+    rows = {(r["chip"], r["kernel"], r["dtype"], r["block_q"], r["block_kv"]): r
+            for r in compiled_table(paired=True)["rows"]}
+    big = default_block_sizes(128, "float32", chip="v3").backward
+    row = rows["v3", "backward", "float32", big.block_q, big.block_kv]
+    assert row["head_dim"] == 64 and row["status"] == "compile_error", row
+    again = aot.block_row("v3", "backward", big.block_q, big.block_kv, 64, "float32")
+    assert again["status"] == "compile_error" and "vmem" in again["error"], again["error"]
+    paired = default_block_sizes(64, "float32", chip="v3", pack=2).backward
+    assert paired.block_q * paired.block_kv < big.block_q * big.block_kv
+    assert rows["v3", "backward", "float32", paired.block_q, paired.block_kv]["status"] == "ok"
 
 
 @pinned_compiler

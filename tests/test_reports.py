@@ -15,9 +15,10 @@ from tpuattn.measure import aot, reports
 from tpuattn.measure import slices as slice_report
 from tpuattn.pallas import blocks
 
-COMMITTED = {"report": aot.REPORT, "blocks": blocks.COMPILED_TABLE, "slices": slice_report.REPORT,
+COMMITTED = {"report": aot.REPORT, "blocks": blocks.COMPILED_TABLE,
+             "blocks-paired": blocks.COMPILED_PAIRED_TABLE, "slices": slice_report.REPORT,
              "tokamax": aot.TOKAMAX_REPORT}
-KINDS = {"tokamax": "report"}  # a file's kind where it is not its name
+KINDS = {"tokamax": "report", "blocks-paired": "blocks"}  # a file's kind where it is not its name
 
 
 @pytest.mark.parametrize("name", sorted(COMMITTED))

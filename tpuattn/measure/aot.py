@@ -437,7 +437,7 @@ def block_row(chip_name: str, kernel: str, block_q: int, block_kv: int, head_dim
     import jax.numpy as jnp
 
     from tpuattn.pallas import blocks as pallas_blocks
-    from tpuattn.pallas.layout import padded_head_dim
+    from tpuattn.pallas.layout import Layout, padded_head_dim
 
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
@@ -448,10 +448,14 @@ def block_row(chip_name: str, kernel: str, block_q: int, block_kv: int, head_dim
     else:
         sizes = pallas_blocks.BlockSizes(small.forward, pallas_blocks.BackwardBlocks(block_q, block_kv))
         vmem_model = pallas_blocks.backward_vmem_bytes
-    problem = Problem(seq_len=max(BLOCK_CANDIDATES), heads=1, head_dim=head_dim, dtype=dtype, causal=False)
+    # One head, or at head_dim 64 a kv head pair: its two heads share a 128-lane tile and every step
+    # holds both (tpuattn.pallas.layout.Layout), so those blocks are compiled and tabled apart.
+    heads = Layout.for_head_dim(head_dim, num_kv_heads=2).pack
+    problem = Problem(seq_len=max(BLOCK_CANDIDATES), heads=heads, head_dim=head_dim, dtype=dtype,
+                      causal=False)
     row = compile_row(chip_name, "pallas", "fwd" if kernel == "forward" else "fwd+bwd", problem,
                       {"block_sizes": sizes})
-    modelled = vmem_model(block_q, block_kv, padded_head_dim(head_dim), jnp.dtype(dtype).itemsize)
+    modelled = vmem_model(block_q, block_kv, padded_head_dim(head_dim), jnp.dtype(dtype).itemsize, heads)
     return {"chip": row["chip"], "kernel": kernel, "head_dim": head_dim, "dtype": dtype, "block_q": block_q,
             "block_kv": block_kv, "status": row["status"], "error": row["error"],
             "modelled_vmem_bytes": modelled, "compile_s": row["compile_s"], "label": LABEL,
@@ -470,8 +474,9 @@ def block_table(chip_names, head_dims=(128, 256), dtypes=("bfloat16", "float32")
                 candidates=BLOCK_CANDIDATES, kernels=KERNELS, progress: bool = True) -> list:
     """:func:`block_row` for every chip, kernel, head_dim, dtype and pair ``block_kv <= block_q``.
 
-    The kernels compute head_dim 64 in 128-lane tiles (padded, or two heads to a tile), so 64 takes
-    128's blocks: the default sweeps the two widths that differ."""
+    The kernels compute head_dim 64 in 128-lane tiles: padded (odd kv heads) it takes 128's blocks; its
+    paired heads (two to a tile, compiled with a kv head pair) have a sweep of their own
+    (``--head-dims 64``: ``tpuattn/pallas/compiled_blocks_paired.json``)."""
     jobs = block_jobs(dict(chips=list(chip_names), kernels=list(kernels), head_dims=list(head_dims),
                            dtypes=list(dtypes), candidates=list(candidates)))
     rows = []
@@ -629,7 +634,9 @@ def _parser():
     parser.add_argument("--blocks", action="store_true",
                         help="instead: which Pallas block sizes compile per chip, head_dim (--head-dims) and "
                              "dtype (--dtypes), written to blocks.csv/json")
-    parser.add_argument("--head-dims", default="128,256", help="--blocks: head_dim 64 pads to 128")
+    parser.add_argument("--head-dims", default="128,256",
+                        help="--blocks: 128,256 (compiled_blocks.json); 64: paired heads, two a step "
+                             "(compiled_blocks_paired.json)")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--no-progress", action="store_true")
     return parser

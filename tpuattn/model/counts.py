@@ -18,7 +18,7 @@ import numpy as np
 
 from tpuattn._checks import round_up
 from tpuattn.pallas import plan
-from tpuattn.pallas.blocks import ForwardBlocks, as_block_sizes
+from tpuattn.pallas.blocks import ForwardBlocks, blocks_for_spec
 from tpuattn.pallas.layout import LANES, STAT_ROWS, Layout
 from tpuattn.spec import AttentionSpec, spec_from_shapes
 
@@ -86,7 +86,7 @@ def grid_walk(spec: AttentionSpec, block_sizes=None) -> GridWalk:
     if spec.has_segments:
         raise ValueError("spec: expected a position-only mask (segment ids are data; not drawn), "
                          "got has_segments=True")
-    blocks = as_block_sizes(_block_sizes(block_sizes), spec.head_dim, spec.dtype)
+    blocks = blocks_for_spec(_block_sizes(block_sizes), spec)
     fb = blocks.forward.clamp(spec.q_len, spec.kv_len)  # as the kernel clamps them
     bq, bk = fb.block_q, fb.block_kv
     tq, tk = round_up(spec.q_len, bq), round_up(spec.kv_len, bk)

@@ -62,6 +62,7 @@ from tpuattn.pallas.blocks import (
     BlockSizes,
     ForwardBlocks,
     backward_vmem_bytes,
+    blocks_for_spec,
     default_block_sizes,
     forward_vmem_bytes,
 )
@@ -91,7 +92,7 @@ __all__ = [
 
 
 def _default_forward_blocks(spec, chip=None) -> tuple[int, int]:
-    forward = default_block_sizes(spec.head_dim, spec.dtype, chip=chip).forward
+    forward = blocks_for_spec(None, spec, chip).forward
     return forward.block_q, forward.block_kv
 
 

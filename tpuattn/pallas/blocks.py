@@ -15,10 +15,12 @@ Blocks larger than the (padded) sequence are clamped to it, so a 7-token problem
 
 **Defaults come from the compiler.** ``compiled_blocks.json`` records which (block_q, block_kv) the
 real TPU compiler accepts for each chip, kernel, head_dim and dtype at Mosaic's default scoped VMEM
-limit (``python -m tpuattn.aot --blocks``; compiled, not run). For a chip in that table the default
-is the largest accepted pair up to 512 -- or 1024 where the chip's ridge point (peak FLOP/s over HBM
-bandwidth) exceeds 512 FLOP/byte, since the forward's arithmetic intensity is about ``block_q``
-FLOP/byte in bf16. Elsewhere (no TPU: interpret mode; head_dim above 256) the VMEM model below picks.
+limit (``python -m tpuattn.aot --blocks``; compiled, not run); ``compiled_blocks_paired.json`` the same
+for head_dim 64's paired heads (``--head-dims 64``), whose steps hold two heads. For a chip in that
+table the default is the largest accepted pair up to 512 -- or 1024 where the chip's ridge point (peak
+FLOP/s over HBM bandwidth) exceeds 512 FLOP/byte, since the forward's arithmetic intensity is about
+``block_q`` FLOP/byte in bf16. Elsewhere (no TPU: interpret mode; head_dim above 256) the VMEM model
+below picks.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from tpuattn import chips
 from tpuattn._checks import is_int, positive_int, round_up
-from tpuattn.pallas.layout import LANES, STAT_ROWS, SUBLANES, padded_head_dim
+from tpuattn.pallas.layout import LANES, STAT_ROWS, SUBLANES, Layout, padded_head_dim
 
 
 def _check(name: str, value, multiple_of: int) -> int:
@@ -92,20 +94,28 @@ class BlockSizes:
         return cls(ForwardBlocks(block, block), BackwardBlocks(block, block))
 
 
-def as_block_sizes(value, head_dim: int, dtype) -> BlockSizes:
-    """Normalise the ``block_sizes`` option: None (defaults), an int, a BlockSizes or ForwardBlocks."""
+def as_block_sizes(value, head_dim: int, dtype, pack: int = 1, chip=None) -> BlockSizes:
+    """Normalise the ``block_sizes`` option: None (defaults), an int, a BlockSizes or ForwardBlocks.
+    ``pack``: query heads of a kv head pair's tile a step serves at least (2 with paired heads),
+    ``chip``: as in :func:`default_block_sizes`."""
     if value is None:
-        return default_block_sizes(head_dim, dtype)
+        return default_block_sizes(head_dim, dtype, chip=chip, pack=pack)
     if isinstance(value, BlockSizes):
         return value
     if isinstance(value, ForwardBlocks):
-        return BlockSizes(value, default_block_sizes(head_dim, dtype).backward)
+        return BlockSizes(value, default_block_sizes(head_dim, dtype, chip=chip, pack=pack).backward)
     if is_int(value):
         return BlockSizes.uniform(_check("block_sizes", value, LANES))
     raise ValueError(
         f"block_sizes: expected None, an int (multiple of {LANES}), a BlockSizes or a ForwardBlocks, "
         f"got {value!r}"
     )
+
+
+def blocks_for_spec(value, spec, chip=None) -> BlockSizes:
+    """:func:`as_block_sizes` for a problem: its head_dim and dtype, and its layout's ``pack`` (paired
+    heads at head_dim 64 have blocks of their own in the compiler's table: a step holds two heads)."""
+    return as_block_sizes(value, spec.head_dim, spec.dtype, Layout.for_spec(spec).pack, chip)
 
 
 # --------------------------------------------------------------------------- defaults
@@ -208,21 +218,27 @@ def vmem_budget_bytes(capacity: int) -> int:
 
 
 COMPILED_TABLE = Path(__file__).with_name("compiled_blocks.json")
+# head_dim 64 with paired heads: every step holds a kv head pair's two heads in one 128-lane tile, so its
+# blocks were compiled apart (python -m tpuattn.aot --blocks --head-dims 64: a pair of heads per problem).
+COMPILED_PAIRED_TABLE = Path(__file__).with_name("compiled_blocks_paired.json")
 
 
-@functools.lru_cache(maxsize=1)
-def compiled_table() -> dict:
-    """The committed compile table: ``{"rows": [...], "jax_version": ..., "libtpu_version": ...}``."""
-    return json.loads(COMPILED_TABLE.read_text())
+@functools.lru_cache(maxsize=2)
+def compiled_table(paired: bool = False) -> dict:
+    """A committed compile table: ``{"rows": [...], "jax_version": ..., "libtpu_version": ...}``; with
+    ``paired``, the one of head_dim 64's paired heads."""
+    return json.loads((COMPILED_PAIRED_TABLE if paired else COMPILED_TABLE).read_text())
 
 
-def compiled_pairs(chip: str, kernel: str, head_dim: int, dtype) -> list[tuple[int, int]]:
+def compiled_pairs(chip: str, kernel: str, head_dim: int, dtype, pack: int = 1) -> list[tuple[int, int]]:
     """The (block_q, block_kv) the TPU compiler accepted for ``chip``'s ``kernel`` ("forward" or
-    "backward") at this head_dim (padded to 128) and dtype; empty when the table has no such rows."""
+    "backward") at this head_dim and dtype: head_dim padded to 128 for one head a tile, or with
+    ``pack=2`` the paired table's rows (two heads of 64 to a 128-lane tile, compiled with a kv head
+    pair); empty when the table has no such rows."""
     import jax.numpy as jnp
 
-    d, name = padded_head_dim(head_dim), jnp.dtype(dtype).name
-    return [(r["block_q"], r["block_kv"]) for r in compiled_table()["rows"]
+    d, name = (head_dim if pack > 1 else padded_head_dim(head_dim)), jnp.dtype(dtype).name
+    return [(r["block_q"], r["block_kv"]) for r in compiled_table(paired=pack > 1)["rows"]
             if r["chip"] == chip and r["kernel"] == kernel and r["head_dim"] == d and r["dtype"] == name
             and r["status"] == "ok"]
 
@@ -233,11 +249,12 @@ def target_block(chip: chips.Chip) -> int:
     return 1024 if device["bf16_flops"] / device["hbm_bandwidth"] > 512 else 512
 
 
-def _from_compiled(chip: chips.Chip, head_dim: int, dtype) -> BlockSizes | None:
+def _from_compiled(chip: chips.Chip, head_dim: int, dtype, pack: int) -> BlockSizes | None:
     limit = target_block(chip)
 
     def best(kernel):
-        pairs = [(q, k) for q, k in compiled_pairs(chip.name, kernel, head_dim, dtype) if k <= q <= limit]
+        accepted = compiled_pairs(chip.name, kernel, head_dim, dtype, pack)
+        pairs = [(q, k) for q, k in accepted if k <= q <= limit]
         return max(pairs, key=lambda p: (p[0] * p[1], p[0])) if pairs else None
 
     forward, backward = best("forward"), best("backward")
@@ -246,7 +263,8 @@ def _from_compiled(chip: chips.Chip, head_dim: int, dtype) -> BlockSizes | None:
     return BlockSizes(ForwardBlocks(*forward), BackwardBlocks(*backward))
 
 
-def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None, chip=None) -> BlockSizes:
+def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None, chip=None,
+                        pack: int = 1) -> BlockSizes:
     """Default blocks: from the compiler's table for the target chip (``chip``, a name or
     :class:`~tpuattn.chips.Chip`; else :func:`tpuattn.chips.target_chip`), otherwise the largest
     square-ish blocks (from 512, 256, 128) whose modelled VMEM need fits the budget.
@@ -255,16 +273,22 @@ def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None, chi
     512 x 512 needs 2*(512+1024)*128*2 + 2*512*128*2 + 4*512*(128+256) + 12*512*512
     = 0.79 + 0.26 + 0.79 + 3.15 MB ~ 5 MB, so 512 x 512; on CPU (16 MiB default -> 2 MiB
     budget) the same problem gets 256 x 256 (1.7 MB), and float32 with head_dim 256 gets 128 x 128.
+
+    ``pack=2`` (paired heads, head_dim 64): a grid step holds a kv head pair's query heads, at least two,
+    so a TPU's blocks come from the paired table (compiled with a pair; on v3 float32 the backward
+    compiles at 256 x 256, where head_dim 128's 512 x 512 spills) or fit the model at two heads a
+    step. Interpret mode has no VMEM to fit, and keeps one head's blocks.
     """
     import jax.numpy as jnp
 
+    heads = 1
     if vmem_bytes is None:
         target = chips.get(chip) if isinstance(chip, str) else (chip or chips.target_chip())
         if target is not None:
-            compiled = _from_compiled(target, head_dim, dtype)
+            compiled = _from_compiled(target, head_dim, dtype, pack)
             if compiled is not None:
                 return compiled
-            vmem_bytes = target.vmem_bytes
+            vmem_bytes, heads = target.vmem_bytes, pack
         else:
             vmem_bytes, _ = chips.vmem_bytes()
     budget = vmem_budget_bytes(vmem_bytes)
@@ -274,7 +298,7 @@ def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None, chi
     def pick(need):
         for bq in CANDIDATES:
             for bk in CANDIDATES:
-                if bk <= bq and need(bq, bk, d, itemsize) <= budget:
+                if bk <= bq and need(bq, bk, d, itemsize, heads) <= budget:
                     return bq, bk
         return LANES, LANES
 

@@ -48,8 +48,8 @@ from tpuattn import chips
 from tpuattn._checks import round_up
 from tpuattn.pallas import compat
 from tpuattn.pallas.blocks import (
-    as_block_sizes,
     backward_vmem_bytes,
+    blocks_for_spec,
     dq_vmem_bytes,
     fit_q_heads,
     forward_vmem_bytes,
@@ -548,7 +548,7 @@ def kv_schedule(spec, block_sizes=None, segment_ids=None, pass_name: str = "forw
     if spec.has_segments and segment_ids is None:
         raise ValueError(
             "segment_ids: expected (q_segment_ids, kv_segment_ids) for a spec with segments, got None")
-    blocks = as_block_sizes(block_sizes, spec.head_dim, spec.dtype)
+    blocks = blocks_for_spec(block_sizes, spec)
     sched, bq, bk, nq, nk = _pass_schedule(spec, pass_name, blocks, segment_ids)
     prefetch = sched.tables()
     count = prefetch[2].reshape(-1, sched.num_outer)

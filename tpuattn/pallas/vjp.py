@@ -14,7 +14,7 @@ from tpuattn import chips, softmax
 from tpuattn._checks import known_options
 from tpuattn.numerics import first_order_only
 from tpuattn.pallas.backward import backward, row_sums
-from tpuattn.pallas.blocks import BlockSizes, as_block_sizes
+from tpuattn.pallas.blocks import BlockSizes, blocks_for_spec
 from tpuattn.pallas.forward import forward
 from tpuattn.registry import PartialOps
 from tpuattn.sharding import mark_varying, varying_axes
@@ -120,7 +120,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def pallas_attention(q, k, v, segment_ids, spec, **options):
     """The ``impl="pallas"`` entry point (see :mod:`tpuattn.pallas` for the options)."""
     known_options("pallas", options, OPTIONS)
-    blocks = as_block_sizes(options.get("block_sizes"), spec.head_dim, spec.dtype)
+    blocks = blocks_for_spec(options.get("block_sizes"), spec)
     interpret = resolve_interpret(options.get("interpret"))
     which = resolve_backward(options.get("backward"))
     # Inside a shard_map every operand is typed varying over the same mesh axes, so that the
@@ -141,7 +141,7 @@ def _block_call(q, k, v, segment_ids, spec, options, *rows):
     holds the whole row's output."""
     known_options("pallas", options, OPTIONS)
     resolve_backward(options.get("backward"))
-    blocks = as_block_sizes(options.get("block_sizes"), spec.head_dim, spec.dtype)
+    blocks = blocks_for_spec(options.get("block_sizes"), spec)
     interpret = resolve_interpret(options.get("interpret"))
     arrays = (q, k, v, *(segment_ids or ()), *rows)
     axes = varying_axes(*arrays)
