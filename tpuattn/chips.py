@@ -67,14 +67,14 @@ class Chip:
         every MXU cell one multiply-add a cycle (v4: 1.05 GHz, v5e: 1.50, v5p: 1.75). Derived, not
         published: where JAX's table undercounts the MXUs (it gives v6e and tpu7x two each) the clock
         comes out high, which only lowers the bounds that divide by it (see EUP below)."""
-        return self.bf16_flops / self.tensor_cores / (2 * self.mxus * self.mxu_size**2)
+        return mxu_clock_hz(self.bf16_flops / self.tensor_cores, self.mxus, self.mxu_size)
 
     @property
     def exp_per_second(self) -> float:
         """float32 exps (or any transcendental) per second per chip: each TensorCore's transcendental
         unit (EUP) takes one vector register a cycle, :data:`EUP_VREG_ELEMENTS` values, at
         :attr:`clock_hz` (see EUP below: compiled (static) and derived, not published)."""
-        return self.tensor_cores * self.clock_hz * EUP_PUSHES_PER_CYCLE * EUP_VREG_ELEMENTS
+        return self.tensor_cores * eup_rate(self.clock_hz)
 
     @property
     def ici_link_bandwidth(self) -> float | None:
@@ -154,6 +154,19 @@ EUP_PUSHES_PER_CYCLE = 1     # compiled (static): at most one EUP push per bundl
 EUP_SOURCE = ("derived: one float32 vector register (8 x 128) per cycle through the EUP, the most "
               "libtpu 0.0.42.1 schedules (compiled (static)), at the clock the peak bf16 FLOP/s and "
               "JAX's MXU table imply")
+
+
+
+def mxu_clock_hz(bf16_flops_per_core: float, mxus: int, mxu_size: int) -> float:
+    """The clock a TensorCore's peak implies, every cell of its ``mxus`` MXUs (``mxu_size`` square) one
+    multiply-add a cycle (:attr:`Chip.clock_hz`; JAX's ``TpuInfo`` gives the same three numbers)."""
+    return bf16_flops_per_core / (2 * mxus * mxu_size**2)
+
+
+def eup_rate(clock_hz: float, vreg_elements: int = EUP_VREG_ELEMENTS) -> float:
+    """float32 transcendentals per second of one TensorCore at ``clock_hz`` (see EUP above)."""
+    return clock_hz * EUP_PUSHES_PER_CYCLE * vreg_elements
+
 
 # Off a TPU (and for a chip this table does not know) the kernels budget for the smallest VMEM.
 DEFAULT_VMEM_BYTES = 16 * MIB

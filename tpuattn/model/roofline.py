@@ -179,8 +179,8 @@ def _from_jax(chip: chips.Chip) -> ChipSpec:
     info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip.name.removeprefix("tpu")),
                                        chip.cores_per_device)
     cores = info.num_cores
-    clock = info.bf16_ops_per_second / (2 * info.num_mxus * info.mxu_column_size**2)  # chips.Chip.clock_hz
-    exps = cores * clock * chips.EUP_PUSHES_PER_CYCLE * info.num_sublanes * info.num_lanes
+    clock = chips.mxu_clock_hz(info.bf16_ops_per_second, info.num_mxus, info.mxu_column_size)
+    exps = cores * chips.eup_rate(clock, info.num_sublanes * info.num_lanes)
     return ChipSpec(name=chip.name, bf16_flops=float(info.bf16_ops_per_second) * cores,
                     hbm_bandwidth=float(info.mem_bw_bytes_per_second) * cores,
                     hbm_capacity=float(info.hbm_capacity_bytes) * cores,

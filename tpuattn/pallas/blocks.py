@@ -276,7 +276,7 @@ def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None, chi
 
     ``pack=2`` (paired heads, head_dim 64): a grid step holds a kv head pair's query heads, at least two,
     so a TPU's blocks come from the paired table (compiled with a pair; on v3 float32 the backward
-    compiles at 256 x 256, where head_dim 128's 512 x 512 spills) or fit the model at two heads a
+    gets 512 x 128, where head_dim 128's 512 x 512 spills) or fit the model at two heads a
     step. Interpret mode has no VMEM to fit, and keeps one head's blocks.
     """
     import jax.numpy as jnp
