@@ -4,10 +4,14 @@ Not a test (``tests/test_aot_model_grid.py`` holds the same grid to 10%). For ev
 implementation, mode and sequence length it prints the roofline's peak HBM
 (``tpuattn.model.roofline.cost(...).peak_hbm_bytes``), the compiler's (``memory_analysis``: arguments
 + outputs + temporaries, :func:`tpuattn.measure.aot.compile_row`) and their ratio, plus the compiled
-bytes accessed beside the modelled HBM traffic::
+bytes accessed beside the modelled HBM traffic, and the compiled temporaries per score element
+(``temp B/score``: ``temp_bytes / (batch x heads x T x T)``, what a materialised schedule keeps live
+per score: 8 where two float32 [B, H, T, T] buffers are)::
 
     python benchmarks/peak_hbm_grid.py                       # v5e and v6e, the whole grid (~5 min)
     python benchmarks/peak_hbm_grid.py --chips v5e --seq-lens 2048
+    python benchmarks/peak_hbm_grid.py --chips v4,v5e,v5p,v6e --impls xla --modes fwd \
+        --seq-lens 2048,3072,4096,6144,8192                  # XLA's live scores per chip and length
 
 The grid: bf16, batch 1, 8 heads of 128, causal; T in 2048, 8192, 32768; reference, xla, pallas,
 splash; fwd and fwd+bwd. Needs libtpu (the compile-only TPU devices).
@@ -55,8 +59,10 @@ def line(r: dict) -> str:
         return f"{head} {r['modelled_peak'] / MIB:9.0f} {'-':>9} {'-':>6}  {r['status']}: {r['error'][:80]}"
     ratio = r["modelled_peak"] / r["peak_hbm_bytes"]
     flag = "" if abs(ratio - 1) <= 0.10 else "  off"
+    per_score = r["temp_bytes"] / (r["batch"] * r["heads"] * r["seq_len"] * r["seq_len"])
     return (f"{head} {r['modelled_peak'] / MIB:9.0f} {r['peak_hbm_bytes'] / MIB:9.0f} {ratio:6.2f} "
-            f"{r['modelled_bytes'] / 1e9:8.3f} {r['bytes_accessed'] / 1e9:8.3f} {r['compile_s']:6.1f}{flag}")
+            f"{r['modelled_bytes'] / 1e9:8.3f} {r['bytes_accessed'] / 1e9:8.3f} {per_score:12.2f} "
+            f"{r['compile_s']:6.1f}{flag}")
 
 
 def main(argv=None) -> list[dict]:
@@ -71,7 +77,7 @@ def main(argv=None) -> list[dict]:
     split = lambda text: [x for x in text.split(",") if x]
     print(f"peak HBM, modelled against compiled ({aot.versions_text()}); bf16, B=1, 8 heads x 128, causal")
     print(f"{'chip':<4} {'impl':<9} {'mode':<7} {'T':>6} {'model MiB':>9} {'comp MiB':>9} {'ratio':>6} "
-          f"{'model GB':>8} {'comp GB':>8} {'comp s':>6}")
+          f"{'model GB':>8} {'comp GB':>8} {'temp B/score':>12} {'comp s':>6}")
     rows, start = [], time.perf_counter()
     for chip in split(args.chips):
         for seq_len in map(int, split(args.seq_lens)):

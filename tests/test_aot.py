@@ -79,10 +79,10 @@ def test_float32_serves_the_kernels_on_v2():
 
 # ---------------------------------------------------------------------------- the model held to the compiler
 # Shapes whose buffers are too large for the compiler to keep in VMEM (on v5e it kept a 64 MiB score
-# buffer on chip): there the live set is all in HBM, as the model counts it.
+# buffer on chip): there the live set is all in HBM, as the model counts it. These lie off the grid of
+# tests/test_aot_model_grid.py (v5e and v6e, bf16, 8 heads of 128, causal, 2048 to 32768 tokens),
+# which holds every implementation there.
 PEAK_CASES = [
-    ("v5e", "reference", aot.Problem(seq_len=8192, heads=8)),
-    ("v5e", "xla", aot.Problem(seq_len=8192, heads=8)),
     ("v4", "xla", aot.Problem(seq_len=8192, heads=8, dtype="float32")),
     ("v5e", "pallas", aot.Problem(seq_len=131072, heads=8)),
     ("v5e", "splash", aot.Problem(seq_len=65536, heads=8)),  # splash inspects its 512-blocks on the host
