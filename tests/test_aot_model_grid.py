@@ -35,9 +35,9 @@ TOLERANCE = 0.10
 _XLA_V6E = ("jax.nn's XLA path on v6e fuses differently from v5e, and not monotonically in the length: "
             "bytes of temporaries per score at the peak, T = 2048, 3072, 4096, 6144, 8192: 4, 18, 17, 13, "
             "9 on v6e against 8.00 to 8.25 at every length on v4, v5e and v5p (libtpu 0.0.42.1, "
-            "benchmarks/peak_hbm_grid.py's temp B/score); at 2048 the "
-            "exponentials fuse into the Q K^T matmul, at 8192 a [heads, T, T] boolean mask (512 MiB) "
-            "joins the two float32 buffers; the model keeps the two buffers the other chips show")
+            "benchmarks/peak_hbm_grid.py's temp B/score); at 2048 the exponentials fuse into the Q K^T "
+            "matmul, at 8192 a [heads, T, T] boolean mask (512 MiB) joins the two float32 buffers; the "
+            "model keeps the two buffers the other chips show")
 KNOWN_GAPS = {
     ("v6e", "xla", "fwd", 2048): _XLA_V6E,
     ("v6e", "xla", "fwd+bwd", 2048): _XLA_V6E,

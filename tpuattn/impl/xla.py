@@ -112,10 +112,8 @@ def xla_auto_rank(spec, backend: str) -> float:
 
 # What XLA:TPU keeps live (its compiled memory analysis, v5e, JAX 0.10.2): with bf16 inputs two f32
 # [B, H, T, T] buffers (the scores and their exponentials), with f32 one; the backward adds ~4 bytes.
-# v4 and v5p keep the same (8.00 to 8.25 bytes per score, 2048 to 8192 tokens); v6e does not, and not
-# monotonically in the length (4, 18, 17, 13, 9 bytes per score at 2048, 3072, 4096, 6144, 8192;
-# benchmarks/peak_hbm_grid.py), so there the model can be low by 2.2x (tests/test_aot_model_grid.py
-# names the cells).
+# v4 and v5p keep the same; v6e does not, and not monotonically in the length, so there the model
+# can be 2.2x low (the sweep: tests/test_aot_model_grid.py's known gaps, benchmarks/peak_hbm_grid.py).
 LIVE_SCORES = {"fwd": lambda p: 8 if p < 4 else 4, "fwd+bwd": lambda p: 8}
 
 register("xla", xla_attention, supports=xla_supports, auto_rank=xla_auto_rank, schedule="materialised",
