@@ -117,9 +117,13 @@ _UNKNOWN_TOPOLOGIES: set = set()  # names the installed compiler refused: asked 
 def _topology(name: str):
     from jax.experimental import topologies
 
+    from tpuattn.pallas import compat
+
     if name not in _TOPOLOGIES:
         with _native_stderr_silenced():  # libtpu warns, at start-up, about TPU_* variables not needed here
             _TOPOLOGIES[name] = topologies.get_topology_desc(topology_name=name, platform="tpu")
+            # Lower for the installed libtpu (an older one reads only older Mosaic serializations).
+            compat.match_installed_libtpu(_TOPOLOGIES[name].devices[0])
     return _TOPOLOGIES[name]
 
 

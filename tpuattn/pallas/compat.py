@@ -7,7 +7,17 @@
 * a lane rotation of 16-bit data: Mosaic before JAX 0.10 rotates 32-bit data only in some of the
   kernels' rolls ("not implemented: Rotate with non-32-bit data": the paired forward on 0.7.2, the
   paired backward of 8 heads of 64 on 0.7.2, 0.8.3 and 0.9.2); 0.10.2 rotates any
-  (:func:`roll_lanes`).
+  (:func:`roll_lanes`);
+* which Mosaic serialization version a compile-only TPU program carries: JAX picks it from the backend
+  it lowers for, by the libtpu build date that backend reports; libtpu 0.0.21.1 (Colab's) reports a
+  build of 2025-08-25, after JAX 0.7.2's cut-off for version 8, yet reads up to 7 ("Unsupported
+  version: expected <= 7 but got 8"). :func:`match_installed_libtpu` asks the installed libtpu what it
+  reads, once, and lowers for that;
+* whether a compile-only device may be asked its default layout: after compiling, JAX asks the
+  device's client for each argument's default layout (only to choose how to pass arguments when the
+  program runs), and with libtpu 0.0.21.1 that query crashes the process (a segmentation fault in
+  ``PjRtTopology::GetDefaultLayout``, JAX 0.7.2, Python 3.11 and 3.13). A compile-only program never
+  runs, so :func:`match_installed_libtpu` has JAX skip the query for compile-only devices.
 
 * none yet, but named here: :data:`INTERPRETER_READS_VARYING_TABLES`.
 
@@ -20,6 +30,7 @@ Checked and found the same in 0.7.2 and 0.10.2 (so used directly, not wrapped):
 from __future__ import annotations
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -81,3 +92,85 @@ def reset_races() -> None:
 # segment ids) then fails to index ("dynamic_slice requires varying manual axes to match"). The
 # compiled TPU kernel is unaffected. Set True for a JAX whose interpreter types the indices.
 INTERPRETER_READS_VARYING_TABLES = False
+
+
+# What the installed libtpu reads, learned once per process by match_installed_libtpu: None (JAX's own
+# choice compiles), or the newest Mosaic serialization version it accepts.
+_LIBTPU_READS: dict[str, int | None] = {}
+_UNSUPPORTED_VERSION = re.compile(r"Unsupported version: expected <= (\d+) but got (\d+)")
+
+
+def mosaic_version_refused(message: str) -> int | None:
+    """The newest Mosaic serialization version a libtpu's refusal says it reads, or None if ``message``
+    is not such a refusal."""
+    found = _UNSUPPORTED_VERSION.search(message)
+    return int(found.group(1)) if found else None
+
+
+def match_installed_libtpu(device) -> int | None:
+    """Make compile-only TPU lowering emit the Mosaic serialization version the installed libtpu reads.
+
+    ``device`` is a compile-only TPU device (``jax.experimental.topologies``). The first call compiles
+    a one-tile copy kernel for it with JAX's own choice of version; if libtpu refuses the version,
+    every later Mosaic lowering in this process for which JAX would choose a newer version gets the
+    newest the refusal names instead (the process has one libtpu). Returns that version (None: JAX's
+    own choice stands).
+    """
+    if "version" in _LIBTPU_READS:
+        return _LIBTPU_READS["version"]
+    _skip_layout_query_off_device()
+    from jax._src import tpu_custom_call
+    from jax.experimental import pallas as pl
+
+    _LIBTPU_READS["version"] = None  # while probing, JAX chooses
+    original = getattr(tpu_custom_call, "get_ir_version", None)
+    if original is None:  # a JAX that no longer chooses this way: nothing to match
+        return None
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    tile = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    probe = pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct(tile.shape, tile.dtype))
+    try:
+        jax.jit(probe).lower(tile).compile()
+        return None
+    except Exception as error:  # noqa: BLE001 - JAX's runtime error class differs between versions
+        reads = mosaic_version_refused(str(error))
+        if reads is None:
+            return None  # another failure: the real compile will report it
+    _LIBTPU_READS["version"] = reads
+
+    def get_ir_version(ctx):
+        chosen = original(ctx)  # None: the newest JAX writes
+        return reads if chosen is None or chosen > reads else chosen
+
+    tpu_custom_call.get_ir_version = get_ir_version
+    return reads
+
+
+def _compile_only(sharding) -> bool:
+    devices = getattr(sharding, "_device_assignment", None) or ()
+    return bool(devices) and type(devices[0].client).__name__.startswith("CompileOnly")
+
+
+def _skip_layout_query_off_device() -> None:
+    """Answer JAX's "is this argument's layout the default?" without asking a compile-only client.
+
+    JAX asks after every compile, to pass arguments to the program when it runs; a compile-only program
+    never runs, so "default" (the answer that needs nothing more) is safe, and the query itself crashes
+    libtpu 0.0.21.1's compile-only client. Devices with a runtime are asked as before.
+    """
+    from jax._src.interpreters import pxla
+
+    original = pxla.is_default_layout
+    if getattr(original, "tpuattn_compile_only", False):
+        return
+
+    def is_default_layout(layout, sharding, aval):
+        if layout is not None and _compile_only(sharding):
+            return True
+        return original(layout, sharding, aval)
+
+    is_default_layout.tpuattn_compile_only = True
+    pxla.is_default_layout = is_default_layout
