@@ -7,6 +7,10 @@ Four environments live at the repository root, each built from an exact pin file
                        (:data:`CPU_WITH_TPU_COMPILER`) so JAX does not look for a TPU at start
 * ``.venv-jax0.7.2``   JAX 0.7.2, Colab's TPU runtime, with its libtpu, for the unit and compile tests
                        (``requirements/ci-jax0.7.2.txt``)
+* ``.venv-colab``      Colab's TPU runtime exactly, as Google publishes it (``requirements/colab-tpu.txt``:
+                       its Python, 3.13, and the version of every package the course uses, libtpu
+                       0.0.21.1 included), without the package: the test command's ``colab`` stage
+                       installs it through the notebooks' own install cell (:class:`ColabEnv`)
 * ``.venv-jax0.8.3``, ``.venv-jax0.9.2``  the middle releases with their libtpu, for the release matrix's
                        smoke subset (``requirements/ci-jax0.8.3.txt``, ``ci-jax0.9.2.txt``): the quick
                        tier's tests and notebooks 01-03, through kernels ``tpuattn-jax0.8.3`` and ``-0.9.2``
@@ -25,9 +29,11 @@ notebooks always run on the venv's Python whatever kernels the user has installe
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,7 +119,108 @@ JAX_0_7 = Env(".venv-jax0.7.2", "ci-jax0.7.2.txt", kernel="tpuattn-jax0.7.2")
 # The release matrix's middle releases: the smoke subset only (ci/test.py's ``releases`` stage).
 JAX_0_8 = Env(".venv-jax0.8.3", "ci-jax0.8.3.txt", kernel="tpuattn-jax0.8.3")
 JAX_0_9 = Env(".venv-jax0.9.2", "ci-jax0.9.2.txt", kernel="tpuattn-jax0.9.2")
-ENVS = {"0.10.2": MAIN, "0.7.2": JAX_0_7, "0.8.3": JAX_0_8, "0.9.2": JAX_0_9}
+
+
+COLAB_PINS = ROOT / "requirements" / "colab-tpu.txt"
+# What the course uses of Colab's image, each installed at the version Colab's published freeze
+# names (the freeze is the constraints file): the package's own dependencies, what the notebooks
+# import (Flax, optax and orbax for notebook 10), the kernel papermill talks to, pip (the install
+# cell runs Colab's), and pytest (which Colab ships) for the stage's puzzle checks. Nothing else of
+# the image is installed.
+COLAB_PACKAGES = ("pip", "jax", "jaxlib", "libtpu", "numpy", "absl-py", "matplotlib", "ipywidgets", "tqdm", "flax",
+                  "optax", "orbax-checkpoint", "ipykernel", "ipython", "pytest")
+
+
+def colab_pins() -> dict[str, str]:
+    """Colab's published freeze as ``{normalised name: version}`` (lines naming a URL, Colab's own
+    builds, left out)."""
+    pins = {}
+    for line in COLAB_PINS.read_text().splitlines():
+        if line.startswith("#") or "==" not in line or " @ " in line:
+            continue
+        name, version = line.split("==", 1)
+        pins[normalise(name)] = version.strip()
+    return pins
+
+
+def colab_python_version() -> str:
+    """The Python version Colab's runtime publishes (the pins file's ``# python:`` line)."""
+    found = re.search(r"^# python: (\d+\.\d+)\.\d+", COLAB_PINS.read_text(), re.M)
+    if not found:
+        raise SystemExit(f"[setup] {COLAB_PINS.relative_to(ROOT)} has no '# python: X.Y.Z' line")
+    return found.group(1)
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def find_python(version: str) -> Path:
+    """A ``pythonX.Y`` interpreter that runs: one of pyenv's, or on PATH (a pyenv shim on PATH may name a
+    version that is installed but not selected, and fail)."""
+    name = f"python{version}"
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates = sorted(glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", name)), reverse=True)
+    candidates.append(shutil.which(name))
+    for candidate in filter(None, candidates):
+        if subprocess.run([candidate, "-c", "pass"], capture_output=True).returncode == 0:
+            return Path(candidate)
+    raise SystemExit(f"[setup] Colab's TPU runtime runs Python {version} ({COLAB_PINS.relative_to(ROOT)}), and "
+                     f"no {name} is here: install it (pyenv install {version}, or your system's "
+                     f"python{version} package) and run the command again")
+
+
+class ColabEnv(Env):
+    """Colab's TPU runtime as published: its Python (major.minor) and :data:`COLAB_PACKAGES` at the
+    versions of ``requirements/colab-tpu.txt``, and a Jupyter kernel, but not the package: the
+    ``colab`` stage installs it as a learner does, through a notebook's install cell."""
+
+    def _fingerprint(self) -> str:
+        digest = hashlib.sha256(self.pins.read_bytes())
+        digest.update(" ".join(COLAB_PACKAGES).encode())
+        digest.update(str(find_python(colab_python_version())).encode())
+        return digest.hexdigest()
+
+    def ensure(self) -> Env:
+        if self.is_current():
+            return self
+        start = time.perf_counter()
+        print(f"[setup] building {self.name} from {self.pins.relative_to(ROOT)} (first use or pins changed)",
+              flush=True)
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        _run([str(find_python(colab_python_version())), "-m", "venv", str(self.path)])
+        constraints = self.path / "colab-constraints.txt"
+        constraints.write_text("".join(f"{name}=={version}\n" for name, version in colab_pins().items()))
+        _run([str(uv()), "pip", "install", "--quiet", "--python", str(self.python), "-c", str(constraints),
+              *COLAB_PACKAGES])
+        wrong = colab_mismatches(self)
+        if wrong:
+            raise SystemExit(f"[setup] {self.name} differs from Colab's pins: {', '.join(wrong)}")
+        _run([str(self.python), "-m", "ipykernel", "install", "--sys-prefix", "--name", self.kernel,
+              "--display-name", "Python 3 (tpuattn, Colab's TPU runtime)"])
+        self._stamp.write_text(self._fingerprint() + "\n")
+        print(f"[setup] {self.name} ready in {time.perf_counter() - start:.0f} s", flush=True)
+        return self
+
+
+def installed(env: Env) -> dict[str, str]:
+    """``{normalised name: version}`` of every distribution in ``env`` (asked of its own Python)."""
+    code = ("import importlib.metadata as m, json; "
+            "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))")
+    out = subprocess.run([str(env.python), "-c", code], capture_output=True, text=True, check=True).stdout
+    return {normalise(name): version for name, version in json.loads(out).items()}
+
+
+def colab_mismatches(env: Env) -> list[str]:
+    """Every installed distribution Colab's freeze names at another version (``name: here != Colab``)."""
+    pins = colab_pins()
+    return [f"{name} {version} (Colab: {pins[name]})" for name, version in sorted(installed(env).items())
+            if name in pins and pins[name] != version]
+
+
+COLAB = ColabEnv(".venv-colab", "colab-tpu.txt", kernel="tpuattn-colab")
+ENVS = {"0.10.2": MAIN, "0.7.2": JAX_0_7, "0.8.3": JAX_0_8, "0.9.2": JAX_0_9, "colab": COLAB}
 # Every JAX minor release the package supports, oldest first: Colab's TPU runtime's to the newest.
 RELEASES = ("0.7.2", "0.8.3", "0.9.2", "0.10.2")
 
