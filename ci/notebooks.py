@@ -1,15 +1,21 @@
-"""Execute every notebook with papermill on the default backend; regenerate figures/.
+"""Execute every notebook with papermill on the default backend; figures to out/figures/.
 
-    python3 ci/notebooks.py                 # all notebooks -> out/notebooks/, figures/ regenerated
+    python3 ci/notebooks.py                 # all notebooks -> out/notebooks/, figures -> out/figures/
     python3 ci/notebooks.py 01 03           # only notebooks whose name contains 01 or 03
     python3 ci/notebooks.py -p RUN_BENCHMARKS True    # override a parameters-cell value
     python3 ci/notebooks.py --update        # also write the outputs back into the committed .ipynb
+                                            # and the committed figures/
+    python3 ci/notebooks.py --figures       # only the committed figures/ (no .ipynb written)
     python3 ci/notebooks.py --jax 0.7.2     # on Colab's JAX (a kernel in .venv-jax0.7.2)
 
 On first use it builds ``.venv`` from ``requirements/ci-jax0.10.2.txt`` (see ci/_venv.py) and re-runs
-itself inside it. Notebooks run from ``notebooks/`` (so ``../figures`` is the figures folder) on the
-venv's ``tpuattn`` kernel. The run ends with a table (notebook, seconds, status); a failing notebook
-fails the command and its cell is named.
+itself inside it. Notebooks run from ``notebooks/`` on the venv's ``tpuattn`` kernel. The run ends
+with a table (notebook, seconds, status); a failing notebook fails the command and its cell is named.
+
+Figures (``tpuattn.viz.style.save_figure``) go where ``TPUATTN_FIGURES_DIR`` says: ``figures/``, the
+committed ones, with ``--update`` or ``--figures``; else the caller's ``TPUATTN_FIGURES_DIR`` (the test
+command's temporary folder); else ``out/figures/``, which git ignores, so a plain run leaves the
+checkout clean.
 
 ``--update`` is how committed notebooks get their outputs: the ``.py`` twin is the source; its cells
 are merged into the ``.ipynb`` (``jupytext --update`` keeps cell ids), executed, cleaned of
@@ -90,6 +96,18 @@ def describe_failure(error, source_nb) -> str:
             f"    {error.ename}: {str(error.evalue).strip().splitlines()[0] if error.evalue else ''}")
 
 
+def figures_dir(*, committed: bool) -> Path:
+    """Where the notebooks' figures go (see the module docstring), absolute: they run from notebooks/."""
+    if committed:
+        path = ROOT / "figures"
+    elif os.environ.get("TPUATTN_FIGURES_DIR"):
+        path = Path(os.environ["TPUATTN_FIGURES_DIR"]).resolve()
+    else:
+        path = ROOT / "out" / "figures"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def parse_value(text: str):
     try:
         return ast.literal_eval(text)
@@ -101,7 +119,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="run only notebooks whose name contains one of these")
     parser.add_argument("--update", action="store_true",
-                        help="write outputs back into notebooks/*.ipynb and re-sync the .py twins")
+                        help="write outputs back into notebooks/*.ipynb and re-sync the .py twins; "
+                             "implies --figures")
+    parser.add_argument("--figures", action="store_true",
+                        help="save figures into the committed figures/ (default: out/figures/, ignored)")
     parser.add_argument("--out", default="out/notebooks", help="folder for executed notebooks")
     parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="override a parameters-cell variable (Python literal)")
@@ -134,7 +155,8 @@ def main() -> int:
         return 1
     out_dir = (ROOT / args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    (ROOT / "figures").mkdir(exist_ok=True)
+    figures = figures_dir(committed=args.figures or args.update)
+    os.environ["TPUATTN_FIGURES_DIR"] = str(figures)  # the kernels papermill starts inherit it
     parameters = {name: parse_value(value) for name, value in args.parameter}
     rows = []
     with tempfile.TemporaryDirectory(prefix="tpuattn-nb-") as tmp:
@@ -171,7 +193,9 @@ def main() -> int:
     total = sum(s for _, s, _ in rows)
     failed = [stem for stem, _, status in rows if status != "ok"]
     print(f"{'total':<{width}}  {total:8.1f}  {len(rows) - len(failed)} ok, {len(failed)} failed")
-    print(f"executed notebooks: {os.path.relpath(out_dir, ROOT)}/   figures: figures/")
+    shown = [os.path.relpath(path, ROOT) if path.is_relative_to(ROOT) else str(path)
+             for path in (out_dir, figures)]
+    print(f"executed notebooks: {shown[0]}/   figures: {shown[1]}/")
     return 1 if failed else 0
 
 

@@ -27,14 +27,27 @@ def test_save_figure_honours_env_dir_and_writes_png(tmp_path, monkeypatch):
     assert b"Software" not in data and b"matplotlib version" not in data
 
 
-def test_figures_dir_from_notebooks_folder_is_repo_figures(tmp_path, monkeypatch):
+def test_figures_dir_defaults_to_the_ignored_out_folder(tmp_path, monkeypatch):
+    # Running the notebooks must not modify the committed figures/: by default figures go to
+    # out/figures (out/ is ignored), from notebooks/ as from the repository root.
     monkeypatch.delenv("TPUATTN_FIGURES_DIR", raising=False)
     (tmp_path / "notebooks").mkdir()
     monkeypatch.chdir(tmp_path / "notebooks")
-    assert plots.figures_dir() == tmp_path / "figures"
+    assert plots.figures_dir() == tmp_path / "out" / "figures"
     monkeypatch.chdir(tmp_path)
-    assert plots.figures_dir() == tmp_path / "figures"
-    assert (tmp_path / "figures").is_dir()
+    assert plots.figures_dir() == tmp_path / "out" / "figures"
+    assert (tmp_path / "out" / "figures").is_dir()
+    assert not (tmp_path / "figures").exists()
+
+
+def test_out_is_ignored_and_figures_is_not():
+    # The default above is only clean if git ignores out/; the committed figures/ must stay tracked.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    ignored = [line.strip() for line in (root / ".gitignore").read_text().splitlines()]
+    assert "/out/" in ignored or "out/" in ignored
+    assert not any(line.strip("/") == "figures" for line in ignored)
 
 
 def test_labels_say_backend_and_measured_or_modelled():

@@ -5,11 +5,14 @@ Every figure says which backend produced its numbers and whether they were measu
     fig, ax = plt.subplots()
     ...
     ax.set_title(style.labelled("Peak memory vs sequence length", measured=True))
-    style.save_figure(fig, "01_memory")          # -> figures/01_memory.png
+    style.save_figure(fig, "01_memory")          # -> out/figures/01_memory.png
 
-Figures go to ``$TPUATTN_FIGURES_DIR`` when set (the test command points it at a temporary folder so
-nbval does not rewrite the committed figures), else to ``../figures`` when running from
-``notebooks/``, else to ``./figures``. Needs matplotlib (the ``notebooks`` extra).
+Figures go to ``$TPUATTN_FIGURES_DIR`` when set, else to ``../out/figures`` when running from
+``notebooks/``, else to ``./out/figures``: in a checkout that is the ignored ``out/`` folder, so
+running the notebooks leaves the working tree clean. The committed ``figures/`` (the book's static
+fallback for widgets) are written only when asked: ``python3 ci/notebooks.py --update`` (or
+``--figures``) points ``TPUATTN_FIGURES_DIR`` at them; the test command points it at a temporary
+folder. Needs matplotlib (the ``notebooks`` extra).
 """
 
 from __future__ import annotations
@@ -83,9 +86,9 @@ def figures_dir() -> Path:
     if os.environ.get("TPUATTN_FIGURES_DIR"):
         path = Path(os.environ["TPUATTN_FIGURES_DIR"])
     elif Path.cwd().name == "notebooks":
-        path = Path.cwd().parent / "figures"
+        path = Path.cwd().parent / "out" / "figures"
     else:
-        path = Path.cwd() / "figures"
+        path = Path.cwd() / "out" / "figures"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
