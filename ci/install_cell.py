@@ -42,11 +42,12 @@ def install_cell() -> str:
     repo, ref = source()
     return f'''# %%
 # On Colab, install the package at the version this notebook belongs to ({ref}); elsewhere this does
-# nothing. (Written by ci/install_cell.py from pyproject.toml.)
+# nothing. Colab's image has everything else the notebooks import, at versions the package supports,
+# so pip adds the package alone. (Written by ci/install_cell.py from pyproject.toml.)
 import subprocess
 import sys
 
-TPUATTN = "tpuattn[notebooks] @ git+{repo}@{ref}"
+TPUATTN = "tpuattn @ git+{repo}@{ref}"
 if "google.colab" in sys.modules:
     result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", TPUATTN],
                             capture_output=True, text=True)

@@ -40,11 +40,12 @@
 
 # %%
 # On Colab, install the package at the version this notebook belongs to (main); elsewhere this does
-# nothing. (Written by ci/install_cell.py from pyproject.toml.)
+# nothing. Colab's image has everything else the notebooks import, at versions the package supports,
+# so pip adds the package alone. (Written by ci/install_cell.py from pyproject.toml.)
 import subprocess
 import sys
 
-TPUATTN = "tpuattn[notebooks] @ git+https://github.com/tpuattn/tpuattn@main"
+TPUATTN = "tpuattn @ git+https://github.com/tpuattn/tpuattn@main"
 if "google.colab" in sys.modules:
     result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", TPUATTN],
                             capture_output=True, text=True)
