@@ -127,8 +127,8 @@ COLAB_PINS = ROOT / "requirements" / "colab-tpu.txt"
 # import (Flax, optax and orbax for notebook 10), the kernel papermill talks to, pip (the install
 # cell runs Colab's), and pytest (which Colab ships) for the stage's puzzle checks. Nothing else of
 # the image is installed.
-COLAB_PACKAGES = ("pip", "jax", "jaxlib", "libtpu", "numpy", "absl-py", "matplotlib", "ipywidgets", "tqdm", "flax",
-                  "optax", "orbax-checkpoint", "ipykernel", "ipython", "pytest")
+COLAB_PACKAGES = ("pip", "jax", "jaxlib", "libtpu", "numpy", "absl-py", "matplotlib", "ipywidgets", "tqdm",
+                  "flax", "optax", "orbax-checkpoint", "ipykernel", "ipython", "pytest")
 
 
 def colab_pins() -> dict[str, str]:
@@ -165,9 +165,10 @@ def find_python(version: str) -> Path:
     for candidate in filter(None, candidates):
         if subprocess.run([candidate, "-c", "pass"], capture_output=True).returncode == 0:
             return Path(candidate)
-    raise SystemExit(f"[setup] Colab's TPU runtime runs Python {version} ({COLAB_PINS.relative_to(ROOT)}), and "
-                     f"no {name} is here: install it (pyenv install {version}, or your system's "
-                     f"python{version} package) and run the command again")
+    raise SystemExit(f"[setup] Colab's TPU runtime runs Python {version} "
+                     f"({COLAB_PINS.relative_to(ROOT)}), and no {name} is here: install it "
+                     f"(pyenv install {version}, or your system's python{version} package)"
+                     " and run the command again")
 
 
 class ColabEnv(Env):

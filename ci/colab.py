@@ -16,6 +16,7 @@ some. The test command's ``colab`` stage runs this before its notebooks and puzz
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,9 @@ def cell_for_checkout(commit: str) -> str:
 
 def main() -> int:
     env = _venv.COLAB.ensure()
+    if _venv.colab_mismatches(env):  # an earlier install left something of its own: start again
+        shutil.rmtree(env.path)
+        env.ensure()
     commit = head()
     if uncommitted():
         print(f"note: installs HEAD ({commit[:12]}); the working tree's uncommitted changes are not in it")
@@ -78,8 +82,9 @@ def main() -> int:
     problems = [f"changed from Colab's pins: {item}" for item in _venv.colab_mismatches(env)]
     problems += [f"changed by the install: {name} {before[name]} -> {after[name]}"
                  for name in sorted(before) if name != "tpuattn" and after.get(name) != before[name]]
-    where = subprocess.run([str(env.python), "-c", "import tpuattn; print(tpuattn.__file__, tpuattn.__version__)"],
-                           cwd=tempfile.gettempdir(), capture_output=True, text=True)
+    probe = "import tpuattn; print(tpuattn.__file__, tpuattn.__version__)"
+    where = subprocess.run([str(env.python), "-c", probe], cwd=tempfile.gettempdir(),
+                           capture_output=True, text=True)
     location = where.stdout.strip()
     if where.returncode != 0 or str(env.path) not in location:
         problems.append(f"tpuattn does not import from {env.name}: {location or where.stderr.strip()}")

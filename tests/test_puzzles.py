@@ -67,6 +67,50 @@ def test_check_reports_the_compilers_refusal(capsys):
     assert out.startswith(f"FAIL {puzzle.name}: right in interpret mode, but the v5e compiler refused it")
 
 
+def test_a_right_answer_passes_with_its_compile(capsys):
+    """On whatever stack runs this (the test command's ``colab`` stage: Colab's JAX 0.7.2 with its
+    libtpu 0.0.21.1), a right answer passes the whole check: interpret mode and the v5e compile."""
+    from helpers import require_tpu_compiler
+
+    require_tpu_compiler()
+    puzzle = _copy_puzzle()
+    assert core.check(puzzle, _copy) is True
+    out = capsys.readouterr().out
+    assert out.strip() == f"PASS {puzzle.name}: matches the float64 oracle (interpret mode), compiled for v5e"
+
+
+def test_a_compiler_that_cannot_compile_anything_says_so(monkeypatch, capsys):
+    """A refusal is the answer's fault only if the compiler compiles a one-tile copy kernel: with a
+    broken installation the check passes a right answer in interpret mode and says why it did not
+    compile; a wrong answer still fails on its values."""
+    from tpuattn.measure import aot
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("INTERNAL: Failed to deserialize the Mosaic module")
+
+    monkeypatch.setattr(aot, "tpu_available", lambda: True)
+    monkeypatch.setattr(aot, "compile_for", refuse)
+    monkeypatch.setattr(aot, "_COMPILER_PROBLEMS", {})
+    monkeypatch.setattr(aot, "chip_known", lambda name: True)
+    puzzle = _copy_puzzle()
+    assert core.check(puzzle, _copy) is True
+    out = capsys.readouterr().out.strip()
+    assert out == (f"PASS {puzzle.name} in interpret mode; not compiled for v5e: this installation's TPU "
+                   "compiler cannot be used here (it cannot compile even a one-tile copy kernel "
+                   "(RuntimeError: INTERNAL: Failed to deserialize the Mosaic module))")
+    assert core.check(puzzle, _off_by_one) is False
+    assert "mismatch at index (0, 0)" in capsys.readouterr().out
+
+
+def test_mosaic_version_refusal_is_read():
+    from tpuattn.pallas import compat
+
+    assert compat.mosaic_version_refused(
+        "INTERNAL: Failed to deserialize the Mosaic module: INTERNAL: Unsupported version: expected <= 7 "
+        "but got 8") == 7
+    assert compat.mosaic_version_refused("INTERNAL: Mosaic failed to compile TPU kernel") is None
+
+
 def test_compare_names_output_shape_and_tolerance():
     assert core.compare(np.ones(3), np.ones(3), 0, 0) is None
     assert core.compare(np.ones(3) * (1 + 1e-6), np.ones(3), 1e-5, 0) is None

@@ -86,6 +86,38 @@ def tpu_available() -> bool:
     return True
 
 
+_COMPILER_PROBLEMS: dict[str, str | None] = {}
+
+
+def compiler_problem(chip_name: str) -> str | None:
+    """None if the installed TPU compiler compiles a one-tile Pallas copy kernel for ``chip_name``; else
+    why not (libtpu missing, the chip unknown to it, or its message). Asked once per chip and process:
+    a check that calls a learner's kernel refused uses it to tell a broken installation from a kernel
+    the compiler rejects."""
+    if chip_name in _COMPILER_PROBLEMS:
+        return _COMPILER_PROBLEMS[chip_name]
+    if not tpu_available():
+        problem = "libtpu is not installed"
+    elif not chip_known(chip_name):
+        problem = f"the installed libtpu does not know {chip_name}"
+    else:
+        import jax
+        import jax.numpy as jnp
+        from jax.experimental import pallas as pl
+
+        def copy(x_ref, o_ref):
+            o_ref[...] = x_ref[...]
+
+        tile = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+        try:
+            compile_for(chip_name, pl.pallas_call(copy, out_shape=tile), [tile])
+            problem = None
+        except Exception as error:  # noqa: BLE001 - JAX's runtime error class differs between versions
+            problem = f"it cannot compile even a one-tile copy kernel ({first_error_line(error)})"
+    _COMPILER_PROBLEMS[chip_name] = problem
+    return problem
+
+
 def topology_device(chip):
     """One compile-only device of ``chip`` (a 2x2 topology: the smallest JAX describes for every chip)."""
 

@@ -188,6 +188,12 @@ def _compile(puzzle: Puzzle, answer, chip: str) -> tuple[bool | None, str]:
     try:
         aot.compile_for(chip, puzzle.build(answer, interpret=False), args)
     except Exception as error:  # noqa: BLE001 - Mosaic and XLA raise several types by version
+        # Is it the answer, or this installation? A compiler that refuses a one-tile copy kernel
+        # cannot judge any answer: say so instead of failing a right one.
+        problem = aot.compiler_problem(chip)
+        if problem is not None:
+            return None, (f"not compiled for {chip}: this installation's TPU compiler cannot be used "
+                          f"here ({problem})")
         return False, f"the {chip} compiler refused it: {aot.first_error_line(error)}"
     return True, f"compiled for {chip}"
 
