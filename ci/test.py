@@ -1,4 +1,4 @@
-"""The test command: lint, pairs, unit, compile, notebooks on JAX 0.10.2 and 0.7.2, the release matrix.
+"""The test command: lint, pairs, unit, compile, notebooks on JAX 0.10.2 and on Colab's stack, releases.
 
     python3 ci/test.py                       # everything (what .ci/run calls)
     python3 ci/test.py --quick               # the edit loop: ruff, pairs, quick (a few minutes)
@@ -22,7 +22,7 @@ The full run's stages, cheapest first:
                       (nbval skips cells without a stored execution count), and its Colab badge and
                       install cell are the ones ci/install_cell.py generates. Writes nothing.
 * ``unit-jax0.10.2``  pytest tests/ on JAX 0.10.2
-* ``unit-jax0.7.2``   pytest tests/ on JAX 0.7.2 (Colab's TPU runtime)
+* ``unit-jax0.7.2``   pytest tests/ on JAX 0.7.2 (Colab's JAX; the ``colab`` stage runs Colab's whole stack)
 * ``compile``         tests/test_aot*.py in ``.venv`` (JAX 0.10.2 + libtpu, ``JAX_PLATFORMS=cpu``): every
                       implementation through the real TPU compiler for every chip, the model held to the
                       compiler (compiled, not run; no TPU needed). The unit stages leave this file out.
@@ -32,12 +32,17 @@ The full run's stages, cheapest first:
                       venv's Python; compares outputs except stderr and cells tagged
                       ``nbval-ignore-output``; figures go to a temporary folder (TPUATTN_FIGURES_DIR) so
                       the working tree is not modified.
-* ``papermill-jax0.7.2`` every notebook executed top to bottom with papermill on JAX 0.7.2 (Colab's TPU
-                      runtime, with its ipywidgets 7.7.1) through ``ci/notebooks.py --jax 0.7.2``, two
-                      notebooks at a time (one kernel each, as nbval does), LLVM's CPU optimisation off
-                      (``FAST_XLA_FLAGS``: nothing is compared), ``RUN_MEMORY = False`` (the
-                      child-process memory measurements run in nbval); outputs and figures to a
-                      temporary folder
+* ``colab``           Colab's TPU runtime exactly, as Google publishes it (``requirements/colab-tpu.txt``:
+                      Python 3.13, JAX 0.7.2, libtpu 0.0.21.1, flax 0.11.2, numpy 2.1.3, ipywidgets 7.7.1,
+                      ...; ``.venv-colab``, see ci/_venv.py). First ``ci/colab.py`` installs the package
+                      there through a notebook's own install cell (its URL pointed at this checkout's
+                      HEAD) and checks that no Colab version changed; then every notebook is executed
+                      top to bottom with papermill on that environment's kernel (``ci/notebooks.py --jax
+                      colab``), two at a time, LLVM's CPU optimisation off (``FAST_XLA_FLAGS``: nothing
+                      is compared), ``RUN_MEMORY = False`` (the child-process memory measurements run
+                      in nbval); and the puzzle tests (every stub fails, every solution passes, each
+                      compiled for v5e by libtpu 0.0.21.1; a right answer passes its compile) run with
+                      that environment's pytest against the installed package
 * ``releases``        the release matrix: on each JAX minor release between those two (0.8.3, 0.9.2; each in
                       its own ``.venv-jaxV`` with that release's libtpu), the smoke subset: the quick
                       tier's oracle checks (each implementation once, forward and gradients; decode's),
@@ -64,7 +69,9 @@ notebook 03 and no book build is left. The pytest stages before them run two wor
 
 The book and lab stages need Debian's chromium (``/usr/bin/chromium``): as root the command installs
 it (``apt-get install -y chromium chromium-driver``, in CI or not); as another user those two stages
-fail saying what to install. Every stage runs; the command prints a table of stage, seconds, result
+fail saying what to install. After the stages, ``git status --porcelain`` may list nothing it did not
+list before the run (the ``clean checkout`` row): nothing the command made lands in the checkout. Every
+stage runs; the command prints a table of stage, seconds, result
 (the set-up of the environments included, and which ran side by side) and exits 1 if any failed.
 """
 
@@ -88,7 +95,7 @@ import _venv  # noqa: E402
 ROOT = _venv.ROOT
 NOTEBOOKS = ROOT / "notebooks"
 STAGES = ("ruff", "pairs", "unit-jax0.10.2", "unit-jax0.7.2", "compile", "compile-jax0.7.2", "nbval",
-          "papermill-jax0.7.2", "releases", "dry-run", "book", "lab")
+          "colab", "releases", "dry-run", "book", "lab")
 # The release matrix: the releases between the two the full stages test get the smoke subset only.
 MIDDLE_RELEASES = tuple(v for v in _venv.RELEASES if _venv.ENVS[v] not in (_venv.MAIN, _venv.JAX_0_7))
 RELEASE_NOTEBOOKS = ("01", "02", "03")
@@ -254,10 +261,10 @@ EXPECTED_SECONDS = {
     "nbval 04_native_attention": 45, "nbval 01_naive_attention": 30, "nbval 02_online_softmax": 25,
     "nbval 06_scale_out": 22, "nbval 07_decode": 22, "nbval 11_the_hard_way": 14,
     "nbval 08_puzzles_forward": 11, "nbval 09_puzzles_backward": 13,
-    "0.7.2 10_in_a_model": 146, "0.7.2 03_pallas_kernel": 53, "0.7.2 04_native_attention": 37,
-    "0.7.2 05_measure": 37, "0.7.2 02_online_softmax": 25, "0.7.2 07_decode": 22, "0.7.2 06_scale_out": 22,
-    "0.7.2 01_naive_attention": 20, "0.7.2 11_the_hard_way": 14, "0.7.2 09_puzzles_backward": 13,
-    "0.7.2 08_puzzles_forward": 11,
+    "colab 10_in_a_model": 146, "colab 03_pallas_kernel": 53, "colab 04_native_attention": 37,
+    "colab 05_measure": 37, "colab 02_online_softmax": 25, "colab 07_decode": 22, "colab 06_scale_out": 22,
+    "colab 01_naive_attention": 20, "colab 11_the_hard_way": 14, "colab 09_puzzles_backward": 13,
+    "colab 08_puzzles_forward": 11, "colab puzzles": 60,
     "0.8.3 03_pallas_kernel": 61, "0.9.2 03_pallas_kernel": 65, "0.8.3 02_online_softmax": 26,
     "0.9.2 02_online_softmax": 26, "0.8.3 01_naive_attention": 19, "0.9.2 01_naive_attention": 19,
     "0.8.3 oracle": 11, "0.9.2 oracle": 12, "0.8.3 compile": 4, "0.9.2 compile": 5,
@@ -324,13 +331,29 @@ def notebook_parameters(stem: str) -> set[str]:
             if "=" in line and not line.startswith(("#", " "))}
 
 
-def papermill_jobs(tmp: Path) -> list[Job]:
-    """``papermill-jax0.7.2``: every notebook on Colab's JAX (0.7.2, ipywidgets 7.7.1), top to bottom,
-    with ``RUN_MEMORY = False`` where a notebook has it (its peak-memory cells start one child process
-    per point: on a CPU that measures host RSS, the same package code nbval runs on 0.10.2 and
-    ``tests/test_bench.py`` on 0.7.2; a third of these notebooks' time)."""
-    return [notebook_job("papermill-jax0.7.2", "0.7.2", p.stem, tmp, without_memory(p.stem))
+# The colab stage's tests: the puzzle harness and every puzzle notebook's stubs and solutions, each
+# solution compiled for v5e by Colab's libtpu.
+COLAB_TEST_FILES = ("tests/test_puzzles.py", "tests/test_puzzles_backward.py")
+
+
+def colab_jobs(tmp: Path) -> list[Job]:
+    """``colab``: the package installed into ``.venv-colab`` through a notebook's install cell
+    (``ci/colab.py``, run here before the pool's jobs start: each job needs it), then every notebook on
+    that environment's kernel, top to bottom, with ``RUN_MEMORY = False`` where a notebook has it (its
+    peak-memory cells start one child process per point: on a CPU that measures host RSS, the same
+    package code nbval runs; a third of these notebooks' time), and the puzzle tests with that
+    environment's pytest (its console script, so the checkout is not on the import path: the
+    installed package is what runs, and tests/conftest.py checks so)."""
+    code = run([str(_venv.MAIN.python), str(ROOT / "ci" / "colab.py")])
+    if code != 0:
+        return [Job("colab", "colab install", lambda: (False, f"ci/colab.py exited {code}"))]
+    jobs = [notebook_job("colab", "colab", p.stem, tmp, without_memory(p.stem))
             for p in notebook_files(".ipynb")]
+    variables = {**_venv.CPU_WITH_TPU_COMPILER, **FAST_CPU_COMPILE, "TPUATTN_REQUIRE_TPU_COMPILER": "1",
+                 "TPUATTN_EXPECT_INSTALLED_IN": str(_venv.COLAB.path)}
+    cmd = [str(_venv.COLAB.bin("pytest")), "-p", "no:cacheprovider", "-q", "--durations=5", *COLAB_TEST_FILES]
+    jobs.append(command_job("colab", "colab puzzles", cmd, {**os.environ, **variables}))
+    return jobs
 
 
 def without_memory(stem: str) -> dict:
@@ -396,7 +419,7 @@ def action_job(stage: str, action, **fields) -> Job:
     return Job(stage, stage, run, **fields)
 
 
-POOLED = ("nbval", "papermill-jax0.7.2", "releases", "dry-run", "book", "lab")
+POOLED = ("nbval", "colab", "releases", "dry-run", "book", "lab")
 # The lab runs JupyterLab on notebook 03 and writes its screenshots beside the book's: it starts once no
 # run of notebook 03 (with the lab's kernel running, papermill's kernel once waited the whole 300 s cell
 # timeout on 03's grid widget, in a clean clone) and no book build is left.
@@ -460,8 +483,8 @@ def pooled(stages: list[str], actions: dict) -> tuple[list[tuple[str, float, str
             jobs.append(action_job("book", actions["book"]))
         if "lab" in wanted:
             jobs.append(action_job("lab", actions["lab"], apart_from=LAB_APART_FROM))
-        if "papermill-jax0.7.2" in wanted:
-            jobs += papermill_jobs(Path(tmp))
+        if "colab" in wanted:
+            jobs += colab_jobs(Path(tmp))
         if "releases" in wanted:
             jobs += release_jobs(Path(tmp))
         if "dry-run" in wanted:
@@ -510,7 +533,7 @@ def release_matrix(rows: list[tuple[str, float, str, str]], jobs: list[Job]) -> 
         elif release == "0.7.2":
             cells = (f"{full('unit-jax0.7.2')}: all unit tests",
                      f"{full('compile-jax0.7.2')}: all compile tests",
-                     f"{full('papermill-jax0.7.2')}: {every} executed, RUN_MEMORY = False")
+                     "on Colab's stack: the row below")
         else:
             stems = [p.stem for p in notebook_files(".ipynb") if p.stem[:2] in RELEASE_NOTEBOOKS]
             cells = (f"{smoke([f'{release} oracle'])}: the quick tier",
@@ -518,6 +541,14 @@ def release_matrix(rows: list[tuple[str, float, str, str]], jobs: list[Job]) -> 
                      f"{smoke([f'{release} {stem}' for stem in stems])}: "
                      f"{RELEASE_NOTEBOOKS[0]}-{RELEASE_NOTEBOOKS[-1]} executed, RUN_MEMORY = False")
         lines.append(f"| {release} | {libtpu} | " + " | ".join(cells) + " |")
+    pins = _venv.colab_pins()
+    colab = [job for job in jobs if job.stage == "colab" and job.label != "colab puzzles"]
+    puzzles = smoke(["colab puzzles"])
+    notebooks = "not run" if not colab else ("passed" if all(job.ok for job in colab) else "FAILED")
+    lines.append(f"| {pins['jax']} on Colab's TPU runtime (Python {_venv.colab_python_version()}, "
+                 f"`requirements/colab-tpu.txt`) | {pins['libtpu']} | {puzzles}: the puzzle checks "
+                 f"| {puzzles}: every puzzle solution for v5e; notebook 03's compiled cells "
+                 f"| {notebooks}: {every} executed, installed by their install cell, RUN_MEMORY = False |")
     return "\n".join(lines)
 
 
@@ -547,12 +578,27 @@ def stage_lab() -> str:
     return "ok" if code == 0 else f"FAILED (ci/lab_check.py exit {code})"
 
 
+def git_status() -> list[str]:
+    """``git status --porcelain`` of the checkout (tracked changes and untracked, unignored files)."""
+    result = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+    return result.stdout.splitlines() if result.returncode == 0 else [f"(git status failed: {result.stderr})"]
+
+
+def stage_clean(before: list[str]) -> str:
+    """The run left the checkout as it found it: outputs, figures and environments go to ignored places."""
+    changed = sorted(set(git_status()) - set(before))
+    for line in changed:
+        print("  " + line)
+    return "ok" if not changed else f"FAILED (the run changed {len(changed)} path(s) in the checkout)"
+
+
 def setup(stages: list[str]) -> None:
     """Build the environments the stages need, side by side, before the re-exec into ``.venv``; their
     times travel to the re-executed command in ``TPUATTN_CI_SETUP`` for the table."""
     if os.environ.get("TPUATTN_CI_SETUP") is not None:
         return  # already done, before the re-exec
     envs = [_venv.MAIN] + ([_venv.JAX_0_7] if any("jax0.7.2" in stage for stage in stages) else [])
+    envs += [_venv.COLAB] if "colab" in stages else []
     envs += [_venv.ENVS[release] for release in MIDDLE_RELEASES] if "releases" in stages else []
     todo = [env for env in envs if not env.is_current()]
 
@@ -600,6 +646,8 @@ def main() -> int:
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     # Wall-clock start, kept across the re-exec into .venv so the total includes its set-up.
     begin = float(os.environ.setdefault("TPUATTN_CI_START", str(time.time())))
+    # What git says before anything runs, kept across the re-exec: the run must leave it so.
+    os.environ.setdefault("TPUATTN_CI_GIT_STATUS", "\n".join(git_status()))
     setup(stages)
     _venv.reexec_in(_venv.MAIN)
     rows = setup_rows()
@@ -627,6 +675,11 @@ def main() -> int:
         print(f"===== {stage}: {result} ({seconds:.1f} s)", flush=True)
         rows.append((stage, seconds, result, ""))
 
+    # Nothing the command made may land in the checkout.
+    start = time.perf_counter()
+    result = stage_clean(os.environ["TPUATTN_CI_GIT_STATUS"].splitlines())
+    print(f"===== clean checkout: {result}", flush=True)
+    rows.append(("clean checkout", time.perf_counter() - start, result, "git status --porcelain"))
     print(f"\n{'stage':<26}  {'seconds':>8}  result")
     print(f"{'-' * 26}  {'-' * 8}  ------")
     for stage, seconds, result, note in rows:

@@ -86,3 +86,14 @@ def pytest_collection_modifyitems(config, items):
             params = item.callspec.params if hasattr(item, "callspec") else {}
             if rule is None or rule(params):
                 item.add_marker(pytest.mark.quick)
+
+
+# The test command's colab stage runs the puzzle tests against the package installed into Colab's
+# environment by a notebook's install cell, never the checkout: it names that environment here.
+if os.environ.get("TPUATTN_EXPECT_INSTALLED_IN"):
+    import tpuattn
+
+    _INSTALLED_IN = os.path.realpath(os.environ["TPUATTN_EXPECT_INSTALLED_IN"])
+    if not os.path.realpath(tpuattn.__file__).startswith(_INSTALLED_IN):
+        raise RuntimeError(f"tpuattn imports from {tpuattn.__file__}, not from the installed package in "
+                           f"{os.environ['TPUATTN_EXPECT_INSTALLED_IN']}")
