@@ -2,6 +2,8 @@
 
     python3 ci/book.py            # build out/book/ (Sphinx + MyST-NB + sphinx-book-theme; no execution)
     python3 ci/book.py --check    # then open every page in headless chromium (ci/browser_check.py)
+    python3 ci/book.py --out out/x    # build into out/x/ (its staged sources, doctrees and warnings
+                                      # beside it: out/x-src/, out/.x-doctrees/, out/x-warnings.txt)
 
 Like ci/notebooks.py it builds ``.venv`` on first use and re-runs itself inside it. The notebooks are
 not executed: their committed outputs are rendered. Sphinx reads a staged copy of the sources in
@@ -444,17 +446,21 @@ def main() -> int:
         os.environ.setdefault(name, value)
     start = time.perf_counter()
     out = (ROOT / args.out).resolve()
-    notebooks = stage()
+    # The staged sources, doctrees and warnings sit beside the site and are named after it (for
+    # out/book: out/book-src, out/.book-doctrees, out/book-warnings.txt), so builds into different
+    # folders never share a file.
+    source = out.with_name(f"{out.name}-src")
+    doctrees = out.with_name(f".{out.name}-doctrees")
+    warnings_file = out.with_name(f"{out.name}-warnings.txt")
+    notebooks = stage(source)
     mathjax = vendor_mathjax()
     os.environ["TPUATTN_BOOK_MATHJAX"] = str(mathjax) if mathjax else ""
     if out.exists():
         shutil.rmtree(out)
-    doctrees = ROOT / "out" / ".book-doctrees"
     shutil.rmtree(doctrees, ignore_errors=True)
-    warnings_file = ROOT / "out" / "book-warnings.txt"
     warnings_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-c", str(BOOK), "-d", str(doctrees), "-q",
-           "--keep-going", "-w", str(warnings_file), str(SOURCE), str(out)]
+           "--keep-going", "-w", str(warnings_file), str(source), str(out)]
     print(f"[book] {len(notebooks)} notebooks: sphinx-build -> {os.path.relpath(out, ROOT)}/", flush=True)
     # Warnings go to the file and are summarised below; anything else on stderr is shown as is.
     result = subprocess.run(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
