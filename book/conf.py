@@ -24,6 +24,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.mathjax",
+    "sphinx.ext.napoleon",
     "sphinx_copybutton",
 ]
 exclude_patterns = ["**.ipynb_checkpoints"]
@@ -46,6 +47,13 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 add_module_names = False
+# The docstrings are Google style (``Args:``, ``Returns:``, ``Attributes:``, ``Options:``); napoleon
+# turns those sections into fields. Attributes as ``:ivar:`` fields, so a dataclass's fields are not
+# described twice (once by napoleon, once by autodoc's members).
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_ivar = True
+napoleon_custom_sections = [("Options", "params_style")]   # an implementation's **options, as Args
 
 # Copy buttons skip prompts and outputs.
 copybutton_exclude = ".linenos, .gp, .go"

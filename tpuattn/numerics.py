@@ -34,7 +34,7 @@ LOG2_E = 1.4426950408889634  # log2(e): exp(x) = 2 ** (x * LOG2_E)
 
 
 def logits(s, scale: float, softcap: float | None):
-    """The Pallas kernels' logits from the raw products ``s = q . k``: ``s`` itself without a softcap
+    """The Pallas kernels' logits from the raw products ``s = q.k``: ``s`` itself without a softcap
     (the kernels fold ``scale`` into their exp2), else the capped ``softcap * tanh(s * (scale / softcap))``,
     one multiply where ``apply_softcap(s * scale)`` makes two (and a divide). The backward kernels'
     ``_softcap_grad`` evaluates the same expression, so forward and backward compute the same floats."""

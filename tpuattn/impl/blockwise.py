@@ -432,6 +432,7 @@ def blockwise_attention(q, k, v, segment_ids, spec, **options):
     Options:
       block_q: query rows per block (default: :func:`default_blocks`).
       block_kv: keys per block (default: :func:`default_blocks`).
+
     A block larger than its sequence is clipped to the sequence length.
     """
     cfg, qt, kt, vt, segs = _layout(q, k, v, segment_ids, spec, options)

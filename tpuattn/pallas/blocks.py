@@ -142,11 +142,13 @@ def backward_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: in
     """VMEM one dK/dV grid step holds (the larger of the two backward passes at one head a step),
     serving ``q_heads`` query heads of a GQA group against one K/V block.
 
-    inputs q, dO (block_q rows per head) and k, v (block_kv rows), double-buffered:
+    In bytes::
+
+        inputs q, dO (block_q rows per head) and k, v (block_kv rows), double-buffered:
                                                2 * 2 * (q_heads * block_q + block_kv) * head_dim * itemsize
-    outputs dK, dV double-buffered:            2 * 2 * block_kv * head_dim * itemsize
-    float32 scratch dK, dV:                    2 * 4 * block_kv * head_dim
-    float32 temporaries (s, p, dp, ds):        4 * 4 * block_q * block_kv   (one head at a time)
+        outputs dK, dV double-buffered:        2 * 2 * block_kv * head_dim * itemsize
+        float32 scratch dK, dV:                2 * 4 * block_kv * head_dim
+        float32 temporaries (s, p, dp, ds):    4 * 4 * block_q * block_kv   (one head at a time)
     """
     inputs = 4 * (q_heads * block_q + block_kv) * head_dim * itemsize
     outputs = 4 * block_kv * head_dim * itemsize
@@ -158,13 +160,15 @@ def backward_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: in
 def dq_vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int, q_heads: int = 1) -> int:
     """VMEM one dQ (or row-sum) grid step holds, serving ``q_heads`` query heads against one K/V block.
 
-    inputs q, dO (per head) and k, v, double-buffered:
+    In bytes::
+
+        inputs q, dO (per head) and k, v, double-buffered:
                                                2 * 2 * (q_heads * block_q + block_kv) * head_dim * itemsize
-    float32 logsumexp and delta, 8-sublane rows, double-buffered, and delta's 128-lane scratch:
+        float32 logsumexp and delta, 8-sublane rows, double-buffered, and delta's 128-lane scratch:
                                                2 * 2 * q_heads * block_q * 8 * 4 + q_heads * block_q * 128 * 4
-    output dQ, double-buffered, and its float32 scratch:
+        output dQ, double-buffered, and its float32 scratch:
                                                q_heads * block_q * head_dim * (2 * itemsize + 4)
-    float32 temporaries (s, p, dp, ds):        4 * 4 * block_q * block_kv   (one head at a time)
+        float32 temporaries (s, p, dp, ds):    4 * 4 * block_q * block_kv   (one head at a time)
 
     Used to choose the heads per step of the dQ grid; :func:`backward_vmem_bytes` (the dK/dV step)
     at one head a step sizes the backward blocks.

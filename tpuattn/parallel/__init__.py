@@ -1,5 +1,7 @@
 """Attention across a device mesh: the contract of :func:`tpuattn.attention` on sharded arrays.
 
+::
+
     tpuattn.parallel.attention(q, k, v, *, mesh, seq_axis=None, head_axis=None, batch_axis=None,
                                strategy="ring", layout="natural", impl="auto", causal=False,
                                scale=None, segment_ids=None, window=None, softcap=None, sinks=None)
