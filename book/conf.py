@@ -115,15 +115,3 @@ def _api_modules():
 _aliases, _public = _api_modules()
 autosummary_context = {"book_aliases": _aliases, "book_packages": _public}
 
-
-def _drop_problematic(app, doctree, docname):
-    """A docstring that is not valid reStructuredText leaves a link to a system message the page does
-    not show (``#id1``): keep its text, drop the dead link (the build already reported the warning)."""
-    from docutils import nodes
-
-    for node in doctree.findall(nodes.problematic):
-        node.attributes.pop("refid", None)
-
-
-def setup(app):
-    app.connect("doctree-resolved", _drop_problematic)

@@ -5,6 +5,11 @@
     python3 ci/book.py --out out/x    # build into out/x/ (its staged sources, doctrees and warnings
                                       # beside it: out/x-src/, out/.x-doctrees/, out/x-warnings.txt)
 
+Any Sphinx warning fails the build (``sphinx-build -W --keep-going``: every warning is reported, then
+the exit status is non-zero): a docstring that is not valid reStructuredText (the API page renders the
+package's Google-style docstrings through napoleon), a broken reference, a notebook MyST-NB cannot
+render.
+
 Like ci/notebooks.py it builds ``.venv`` on first use and re-runs itself inside it. The notebooks are
 not executed: their committed outputs are rendered. Sphinx reads a staged copy of the sources in
 ``out/book-src/`` laid out as in the repository (``notebooks/NN_*.ipynb``, ``WORKSHOP.md``, ...), so
@@ -419,20 +424,12 @@ def vendor_mathjax(cache: Path = CACHE) -> Path | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def summarise_warnings(lines: list[str]) -> None:
-    """Sphinx's warnings: docstring formatting ones counted per module, the others in full."""
-    docstrings: dict[str, int] = {}
+def show_warnings(lines: list[str]) -> None:
+    """Sphinx's warnings in full, paths relative to the repository (a docstring's warning names its
+    file, line and object: ``tpuattn/api.py:docstring of tpuattn.api.attention:6: ERROR: ...``)."""
     for line in lines:
-        match = re.search(r"docstring of ([\w.]+)", line)
-        if match and ("ERROR" in line or "WARNING" in line):
-            module = ".".join(part for part in match.group(1).split(".") if part[:1].islower())
-            docstrings[module] = docstrings.get(module, 0) + 1
-        elif "ERROR" in line or "WARNING" in line:
+        if line.strip():
             print("  " + line.replace(str(ROOT) + "/", ""), flush=True)
-    if docstrings:
-        counts = ", ".join(f"{module} {n}" for module, n in sorted(docstrings.items()))
-        print(f"  docstrings that are not valid reStructuredText (rendered as best docutils can): {counts}",
-              flush=True)
 
 
 def main() -> int:
@@ -459,20 +456,23 @@ def main() -> int:
         shutil.rmtree(out)
     shutil.rmtree(doctrees, ignore_errors=True)
     warnings_file.unlink(missing_ok=True)
+    # -W: a warning is an error, so the build fails on one (a docstring that is not valid
+    # reStructuredText, a broken cross-reference, a notebook MyST cannot render); --keep-going reports
+    # them all before failing.
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-c", str(BOOK), "-d", str(doctrees), "-q",
-           "--keep-going", "-w", str(warnings_file), str(source), str(out)]
+           "-W", "--keep-going", "-w", str(warnings_file), str(source), str(out)]
     print(f"[book] {len(notebooks)} notebooks: sphinx-build -> {os.path.relpath(out, ROOT)}/", flush=True)
-    # Warnings go to the file and are summarised below; anything else on stderr is shown as is.
+    # Warnings go to the file and are shown below; anything else on stderr is shown as is.
     result = subprocess.run(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     code = result.returncode
     for line in result.stderr.splitlines():
         if not re.search(r"(WARNING|ERROR|CRITICAL):", line) and line.strip():
             print("  " + line, flush=True)
     warnings = warnings_file.read_text().splitlines() if warnings_file.exists() else []
-    summarise_warnings(warnings)
+    show_warnings(warnings)
     seconds = time.perf_counter() - start
     print(f"[book] {'built' if code == 0 else 'FAILED'} in {seconds:.0f} s: "
-          f"{len(list(out.rglob('*.html')))} pages, {len(warnings)} warning line(s)"
+          f"{len(list(out.rglob('*.html')))} pages, {len(warnings)} warning line(s) (warnings are errors)"
           f"{' (' + os.path.relpath(warnings_file, ROOT) + ')' if warnings else ''}; "
           f"MathJax {'vendored' if mathjax else 'NOT vendored (TeX source shown)'}", flush=True)
     print(f"[book] open {os.path.relpath(out / 'index.html', ROOT)}", flush=True)
