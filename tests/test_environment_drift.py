@@ -131,3 +131,30 @@ def test_every_supported_minor_release_has_a_pinned_environment():
     expected = set(range(floor.minor, ceiling.minor))
     assert minors == expected, (
         f"JAX minor releases {sorted(expected)} are supported, the matrix has {sorted(minors)}")
+
+
+def colab_freeze() -> dict[str, Version]:
+    """Colab's published TPU-runtime freeze (requirements/colab-tpu.txt), URL lines left out."""
+    out = {}
+    for line in (ROOT / "requirements" / "colab-tpu.txt").read_text().splitlines():
+        if line.startswith("#") or " @ " in line or not line.strip():
+            continue
+        name, _, version = line.partition("==")
+        assert version, f"requirements/colab-tpu.txt: expected 'name==version' or 'name @ url', got {line!r}"
+        out[canonicalize_name(name)] = Version(version)
+    return out
+
+
+def test_colab_runtime_satisfies_the_package_and_its_flax_extra():
+    """A learner's Colab TPU runtime installs the package without changing a version: its freeze
+    satisfies every dependency and the flax extra (the install cell asks pip for the package alone),
+    and has what the notebooks import."""
+    colab = colab_freeze()
+    for name, requirement in {**BASE, **EXTRAS["flax"]}.items():
+        assert name in colab, f"Colab's TPU runtime has no {name} (the package needs {requirement})"
+        assert colab[name] in requirement.specifier, f"Colab's {name} {colab[name]} is outside {requirement}"
+    for name in ("matplotlib", "ipywidgets", "tqdm", "optax", "orbax-checkpoint", "libtpu"):
+        assert name in colab, f"the notebooks import {name}; Colab's TPU runtime has none"
+    # The oldest supported release is Colab's: its JAX is the range's floor (an upgrade of Colab's pins
+    # that leaves the floor behind is a choice to make in pyproject.toml, not by accident).
+    assert f">={colab['jax']}" in str(JAX_RANGE), f"Colab's JAX {colab['jax']} is not {JAX_RANGE}'s floor"
