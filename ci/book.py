@@ -69,6 +69,7 @@ COLAB_BADGE_URL = "https://colab.research.google.com/assets/colab-badge.svg"
 LOCAL_BADGE = "_assets/colab-badge.svg"    # inside the staged sources; a copy of book/_static's
 
 DOCS = ("WORKSHOP.md", "GLOSSARY.md", "ARCHITECTURE.md")   # repository pages the site includes
+BOOK_ROOT_PAGES = ("index.md", "api.md")   # book/ pages staged at the site's root: the landing page, the API
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 HIDDEN_TAGS = ("solution", "hide-input", "hide-cell")       # collapsed until clicked
 LONG_OUTPUT_LINES = 30                                       # text outputs longer than this collapse
@@ -346,6 +347,13 @@ def references_page(notebooks: dict[str, dict], pages: set[str]) -> str:
     return "\n".join(parts)
 
 
+def book_pages() -> tuple[str, ...]:
+    """The book's own Markdown pages (``book/*.md`` but the landing and API pages) by repository path.
+    They are staged at that path, so their relative links (``../GLOSSARY.md``) work in the site as on
+    GitHub; the landing page lists them in a toctree."""
+    return tuple(f"book/{p.name}" for p in sorted(BOOK.glob("*.md")) if p.name not in BOOK_ROOT_PAGES)
+
+
 def stage(source: Path = SOURCE) -> dict[str, dict]:
     """Write the sources Sphinx reads into ``source``; return the prepared notebooks by stem."""
     if source.exists():
@@ -354,13 +362,15 @@ def stage(source: Path = SOURCE) -> dict[str, dict]:
     (source / "_assets").mkdir()
     shutil.copyfile(BOOK / "_static" / "colab-badge.svg", source / LOCAL_BADGE)
     stems = notebook_stems()
-    pages = {f"notebooks/{s}.ipynb" for s in stems} | set(DOCS) | {"references.md", "api.md"}
+    docs = DOCS + book_pages()
+    pages = {f"notebooks/{s}.ipynb" for s in stems} | set(docs) | {"references.md", "api.md"}
     committed = {s: json.loads((NOTEBOOKS / f"{s}.ipynb").read_text()) for s in stems}
     for stem, nb in committed.items():
         prepared = prepare_notebook(nb, stem, pages)
         (source / "notebooks" / f"{stem}.ipynb").write_text(json.dumps(prepared, indent=1))
-    for doc in DOCS:
+    for doc in docs:
         text = (ROOT / doc).read_text()
+        (source / doc).parent.mkdir(parents=True, exist_ok=True)
         (source / doc).write_text(localise_badges(linkify(rewrite_links(text, doc, pages)), doc))
     (source / "references.md").write_text(references_page(committed, pages))
     shutil.copyfile(BOOK / "api.md", source / "api.md")

@@ -112,6 +112,24 @@ def test_rewrite_links(link, expected):
     assert book.rewrite_links(link, "notebooks/01_x.ipynb", PAGES) == expected
 
 
+def test_book_pages_are_staged_at_their_repository_path_and_listed(tmp_path):
+    """book/*.md (but the landing and API pages) are staged where they sit in the repository, so a
+    link to a page of the site stays relative and one to a repository file points at the repository;
+    the landing page's toctree and the README list every one."""
+    pages = book.book_pages()
+    assert "book/contract.md" in pages and not {"book/index.md", "book/api.md"} & set(pages)
+    book.stage(tmp_path / "src")
+    for page in pages:
+        assert (tmp_path / "src" / page).read_text().startswith("# "), page
+    staged = (tmp_path / "src" / "book" / "contract.md").read_text()
+    assert "](../GLOSSARY.md)" in staged and f"]({book.REPOSITORY_URL}/blob/main/tpuattn/api.py)" in staged
+    toctree = (book.BOOK / "index.md").read_text().splitlines()
+    readme = (book.ROOT / "README.md").read_text()
+    for page in pages:
+        assert page.removesuffix(".md") in toctree, f"{page} is not in book/index.md's toctree"
+        assert f"]({page})" in readme, f"the README does not link {page}"
+
+
 def test_walk_table_question_and_title():
     nb = notebook(markdown("# 02 · Online softmax: attention without scores\n\nThis notebook answers: "
                            "**can we compute the\nsame thing?** More text."))
