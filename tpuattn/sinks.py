@@ -18,7 +18,12 @@ without a change to its kernels. The backward reads the merged statistics, which
 * ``delta = rowsum(P * dP)`` over the keys (the sink's ``dP`` is 0: it has no value);
 * ``dz_h = -sum over batch and rows of p_sink * delta``, with ``p_sink = exp(z_h - lse)``.
 
-This module imports only JAX and :mod:`tpuattn.softmax`.
+Inside a user's ``shard_map`` the sinks are usually replicated (``P()``) while q, k and v vary over
+mesh axes (the batch's, say): each device's rows give their own share of ``dz``. :func:`attention`
+types the sinks as varying like q, k and v before its custom VJP, so the transpose of that cast sums
+the shares over those axes (a ``psum``) and the gradient is the whole batch's, typed as its input.
+
+This module imports only JAX, :mod:`tpuattn.softmax` and :mod:`tpuattn.sharding`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from tpuattn import softmax
+from tpuattn.sharding import mark_varying, varying_axes
 
 
 def sink_partial(sinks, batch: int, q_len: int, head_dim: int) -> softmax.Partial:
@@ -54,7 +60,10 @@ def attention(ops, q, k, v, segment_ids, spec, sinks, **options):
     """Attention with ``sinks`` through an implementation's :class:`~tpuattn.registry.PartialOps`
     (``ops``): differentiable in ``q``, ``k``, ``v`` and ``sinks``; an array of q's shape and dtype."""
     config = (ops, spec, tuple(sorted(options.items())))
-    return _with_sinks(q, k, v, segment_ids, jnp.asarray(sinks, jnp.float32), config)
+    # Replicated sinks inside a user's shard_map: typed varying like q, k, v (see the module
+    # docstring), so their per-device gradients are summed, not one device's returned.
+    sinks = mark_varying(jnp.asarray(sinks, jnp.float32), varying_axes(q, k, v))
+    return _with_sinks(q, k, v, segment_ids, sinks, config)
 
 
 def _forward(q, k, v, segment_ids, sinks, config):

@@ -148,6 +148,9 @@ def splash_attention(q, k, v, segment_ids, spec, *, sinks=None, **options):
     # caller's sinks take its place (a sink of -inf, "none", stays at the harmless -1e30).
     floor = jnp.full((spec.num_q_heads,), _EMPTY_ROW_SINK, jnp.float32)
     sinks = floor if sinks is None else jnp.maximum(jnp.asarray(sinks, jnp.float32), floor)
+    # Inside a user's shard_map, replicated sinks typed varying like q, k, v: the transpose of that
+    # cast sums the sinks' per-device gradients over the devices (without it, one device's share).
+    sinks = mark_varying(sinks, varying_axes(q, k, v))
 
     def batched(q, k, v, segments, sinks):
         one_batch = lambda q, k, v, segments: kernel(q, k, v, segment_ids=segments, sinks=sinks)
@@ -169,14 +172,17 @@ def _guarded(fn):
     ``jax_enable_x64`` and fail inside JAX's kernel; nothing here needs 64 bits, so both passes are
     traced with it off. Inside a user's ``shard_map`` (default checks) splash's ``pallas_call`` gives
     its outputs no varying mesh axes, so the kernel is always traced with the checks off (a no-op
-    outside a shard_map) and its outputs marked as varying like the inputs. Differentiating the
-    backward (a second derivative) raises a clear error instead of splash's bare ``NotImplementedError``.
+    outside a shard_map) and its outputs marked as varying like the inputs (the sinks, typed varying
+    like q by the caller, get this device's share of their gradient, which the caller's cast sums).
+    Differentiating the backward (a second derivative) raises a clear error instead of splash's bare
+    ``NotImplementedError``.
     """
 
     def run(q, k, v, segments, sinks):
         axes = varying_axes(q, k, v)
         with x64(False), vma_checks_off():
-            out = fn(*_invariant(axes, q, k, v), segments, sinks)
+            q, k, v, sinks = _invariant(axes, q, k, v, sinks)
+            out = fn(q, k, v, segments, sinks)
         return mark_varying(out, axes)
 
     @jax.custom_vjp
@@ -186,14 +192,16 @@ def _guarded(fn):
     def call_fwd(q, k, v, segments, sinks):
         axes = varying_axes(q, k, v)
         with x64(False), vma_checks_off():
-            out, vjp = _first_order_vjp(fn, *_invariant(axes, q, k, v), segments, sinks)
+            q, k, v, sinks = _invariant(axes, q, k, v, sinks)
+            out, vjp = _first_order_vjp(fn, q, k, v, segments, sinks)
         return mark_varying(out, axes), vjp
 
     def call_bwd(vjp, d_out):
         axes = varying_axes(d_out)
         with x64(False), vma_checks_off():
             dq, dk, dv, d_sinks = _first_order(vjp, *_invariant(axes, d_out))
-        return (*(mark_varying(g, axes) for g in (dq, dk, dv)), None, d_sinks)
+        # d_sinks: this device's share, typed like the sinks (varying like q, k, v: see splash_attention).
+        return (*(mark_varying(g, axes) for g in (dq, dk, dv)), None, mark_varying(d_sinks, axes))
 
     call.defvjp(call_fwd, call_bwd)
     return call
