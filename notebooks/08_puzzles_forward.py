@@ -32,10 +32,14 @@
 #
 # Each `check(...)` runs your answer in interpret mode on the CPU against a float64 NumPy answer,
 # then compiles it for a TPU v5e with the real TPU compiler (compiled, not run: no TPU is needed),
-# and prints one line: `PASS`, `not written yet`, the first mismatch, a race, or the compiler's
-# message. Replace each `raise NotImplementedError` with your code and run the check. Every puzzle has
-# a hidden solution cell after its check: try first. Each heading gives the puzzle's difficulty (★☆☆
-# to ★★★) and the minutes it takes at a workshop.
+# and prints one line: `PASS`, `not written yet`, the first mismatch, a race, a rule the values
+# cannot show, or the compiler's message. Interpret mode forgives two things a TPU does not: it clamps
+# a block index outside its array, and it runs the grid in order on one core. So `check` also walks
+# every index map over the whole grid (a block outside its array fails, naming the grid step and the
+# block), and runs the kernel as a megacore chip may: each index of a `"parallel"` grid axis starting
+# with nothing in its scratch. Replace each `raise NotImplementedError` with your code and run the
+# check. Every puzzle has a hidden solution cell after its check: try first. Each heading gives the
+# puzzle's difficulty (★☆☆ to ★★★) and the minutes it takes at a workshop.
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/08_puzzles_forward.ipynb)
 
@@ -132,7 +136,9 @@ passed = check(puzzles.COPY, copy_kernel, chip=CHIP)
 # `pl.BlockSpec(block_shape, index_map)`: for `x`, for `bias`, for the output. An index map takes the
 # grid indices `(i, j)` and returns the **block** index along each dimension (not the element index).
 #
-# A `(1, 128)` block is legal: its second-to-last dimension is the bias's whole dimension (1).
+# A `(1, 128)` block is legal: its second-to-last dimension is the bias's whole dimension (1). The
+# check evaluates your index maps at every grid step: a block index outside an array (interpret mode
+# clamps it, so the values may still come out right) fails.
 
 # %%
 fig, axes = picture(2, width=4)
@@ -169,7 +175,9 @@ passed = check(puzzles.ADD, add_specs, chip=CHIP)
 # `(i, j, k) = (2, 2, 2)`: at step `(i, j, k)` you get `x_ref` = block `(i, k)` of shape `(16, 128)`,
 # `y_ref` = block `(k, j)` of shape `(128, 128)`, `o_ref` = block `(i, j)`, and `acc_ref`, a
 # `(16, 128)` float32 VMEM scratch that persists across grid steps. `k` is the last grid axis
-# (`"arbitrary"`: it runs in order), so one output block sees `k = 0, 1` back to back.
+# (`"arbitrary"`: it runs in order), so one output block sees `k = 0, 1` back to back. `i` and `j` are
+# `"parallel"`: a megacore chip (v4, v5p) may split them between its two TensorCores, each with its
+# own scratch, so zero the accumulator at every output block's first `k`, not once.
 #
 # Write the body: zero `acc_ref` when `k == 0` (`@pl.when(pl.program_id(2) == 0)`), add
 # `jnp.dot(x, y, preferred_element_type=jnp.float32)`, and write `acc` cast to `o_ref.dtype` at the

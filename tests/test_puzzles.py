@@ -119,6 +119,11 @@ def test_compare_names_output_shape_and_tolerance():
         (np.ones(3), np.array([1.0, 1.0, 2.0])), (np.ones(3), np.ones(3)), 1e-3, 0)
     assert "expected 2 output(s), got 1" in core.compare(np.ones(3), (np.ones(3), np.ones(3)), 0, 0)
     assert "mismatch" in core.compare(np.array([np.nan]), np.array([1.0]), 1, 1)
+    # Named outputs: the backward puzzles say dK and dV, not output 0 and output 1.
+    assert core.compare((np.ones(3), np.zeros(3)), (np.ones(3), np.ones(3)), 0, 0, ("dK", "dV")) \
+        .startswith("dV mismatch at index (0,)")
+    with pytest.raises(ValueError, match="names: expected 2 output names"):
+        core.compare((np.ones(3), np.ones(3)), (np.ones(3), np.ones(3)), 0, 0, ("dK",))
 
 
 def test_registry_and_bad_fields_refused():
@@ -130,6 +135,8 @@ def test_registry_and_bad_fields_refused():
         core.get("no such puzzle")
     with pytest.raises(ValueError, match="kind: expected one of"):
         core.Puzzle("x", None, None, None, 0, 0, kind="other")
+    with pytest.raises(ValueError, match="outputs: expected a tuple of names"):
+        core.Puzzle("x", None, None, None, 0, 0, outputs="dK")
     del core.REGISTRY[puzzle.name]
 
 
@@ -256,3 +263,132 @@ def test_a_race_puzzle_says_so_where_this_jax_has_no_race_detector(monkeypatch, 
     monkeypatch.delattr(pltpu, "InterpretParams")
     assert core.check(puzzle, _copy) is None
     assert "cannot be checked here: this JAX has no pltpu.InterpretParams" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------
+# What interpret mode cannot show: each answer below gives the right values there (it clamps a block
+# index outside its array, and runs the grid in order on one core), and its check must still fail,
+# naming the slip.
+
+def _add_specs(bias_map):
+    def specs():
+        tile = pl.BlockSpec((8, 128), lambda i, j: (i, j))
+        return tile, pl.BlockSpec((1, 128), bias_map), tile
+    return specs
+
+
+def _gqa_specs(q_map):
+    from tpuattn.puzzles import forward as fw
+
+    def specs():
+        q_spec = pl.BlockSpec((None, fw.GQA_GROUP, fw.GQA_BLOCK_Q, fw.HEAD_DIM), q_map)
+        kv_spec = pl.BlockSpec((None, fw.GQA_KV, fw.HEAD_DIM), lambda h, i: (h, 0, 0))
+        return q_spec, kv_spec, q_spec
+    return specs
+
+
+def test_an_index_map_outside_its_array_fails_naming_the_step_and_the_block(capsys):
+    from tpuattn.puzzles import forward as fw
+
+    # Puzzle 2: the bias is one row of blocks; naming its row block i asks for row block 1 at i = 1,
+    # which interpret mode clamps to row block 0, the right one.
+    assert core.check(fw.ADD, _add_specs(lambda i, j: (i, j))) is False
+    out = capsys.readouterr().out
+    assert ("the values match, but the bias index map asks for block (1, 0) at grid step (1, 0); "
+            "bias has 1 x 4 blocks") in out, out
+    # Puzzle 8: query head h * group is the unfolded index; the folded q has one block per kv head,
+    # so kv head 1 asks for block 2, clamped to block 1, the right one.
+    assert core.check(fw.GQA, _gqa_specs(lambda h, i: (h * fw.GQA_GROUP, 0, i, 0))) is False
+    out = capsys.readouterr().out
+    assert ("the values match, but the q index map asks for block (2, 0, 0, 0) at grid step (1, 0); "
+            "q has 2 x 1 x 2 x 1 blocks") in out, out
+    assert core.check(fw.ADD, _add_specs(lambda i, j: (0, j))) is True
+    assert core.check(fw.GQA, _gqa_specs(lambda h, i: (h, 0, i, 0))) is True
+
+
+def _matmul_zeroed_once(x_ref, y_ref, o_ref, acc_ref):
+    """Zero the accumulator at the first grid step only, and again after each write: right when the
+    grid runs in order, but the first step a second TensorCore runs finds no zeroed accumulator."""
+    i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when((i == 0) & (j == 0) & (k == 0))
+    def _init():
+        acc_ref[...] = jax.numpy.zeros(acc_ref.shape, np.float32)
+
+    acc_ref[...] += jax.numpy.dot(x_ref[...], y_ref[...], preferred_element_type=np.float32)
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _write():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+        acc_ref[...] = jax.numpy.zeros(acc_ref.shape, np.float32)
+
+
+def test_scratch_carried_across_a_parallel_axis_fails(capsys):
+    from tpuattn.puzzles import forward as fw
+
+    x, y = fw.MATMUL.inputs()  # right in order: the values cannot show it
+    got = fw.MATMUL.build(_matmul_zeroed_once, interpret=True)(x, y)
+    assert core.compare(got, fw.MATMUL.oracle(x, y), fw.MATMUL.rtol, fw.MATMUL.atol) is None
+    assert core.check(fw.MATMUL, _matmul_zeroed_once) is False
+    out = capsys.readouterr().out
+    assert ("the values match when the grid runs in order on one core, but scratch carries over from "
+            "one index of grid axis 0 to the next, and that axis is marked \"parallel\"") in out, out
+    assert "mismatch at index (16, 0): got nan" in out, out
+
+
+def _row_sum_puzzle():
+    """out [16, 1] = the row sums of x [16, 256], in (8, 128) blocks, accumulated into the output block
+    over the column blocks. The answer: ``(dimension semantics, grid order)``, ``"rows first"`` (grid
+    (row block, column block)) or ``"columns first"``."""
+    def build(answer, *, interpret):
+        semantics, order = answer
+        rows_first = order == "rows first"
+
+        def body(x_ref, o_ref):
+            @pl.when(pl.program_id(1 if rows_first else 0) == 0)
+            def _init():
+                o_ref[...] = jax.numpy.zeros(o_ref.shape, o_ref.dtype)
+
+            o_ref[...] += x_ref[...].sum(axis=1, keepdims=True)
+
+        def fn(x):
+            from jax.experimental.pallas import tpu as pltpu
+
+            def swap(f):
+                return f if rows_first else (lambda j, i: f(i, j))
+            grid = (2, 2)
+            return core.pallas_call(
+                body, out_shape=jax.ShapeDtypeStruct((16, 1), x.dtype), grid=grid,
+                in_specs=[pl.BlockSpec((8, 128), swap(lambda i, j: (i, j)))],
+                out_specs=pl.BlockSpec((8, 1), swap(lambda i, j: (i, 0))),
+                compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+                interpret=interpret, in_names=("x",), out_names=("out",))(x)
+        return fn
+
+    def inputs():
+        return (np.random.default_rng(0).standard_normal((16, 256)).astype(np.float32),)
+
+    return core.Puzzle("test row sums", build, inputs,
+                       lambda x: x.astype(np.float64).sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
+def test_an_output_block_two_parallel_steps_share_fails(capsys):
+    puzzle = _row_sum_puzzle()
+    # The reduction axis marked "parallel": two TensorCores would each add half the columns into one
+    # output block at once. In order on one core, the values are right.
+    assert core.check(puzzle, (("parallel", "parallel"), "rows first")) is False
+    out = capsys.readouterr().out
+    assert ("the values match, but the out index map names block (0, 0) at grid steps (0, 0) and "
+            "(0, 1), which differ along grid axis 1, marked \"parallel\"") in out, out
+    assert core.check(puzzle, (("parallel", "arbitrary"), "rows first")) is True
+
+
+def test_an_output_block_the_grid_returns_to_fails(capsys):
+    puzzle = _row_sum_puzzle()
+    # The reduction axis outside: each output block is left and come back to, which interpret mode
+    # (it reads the block back) forgives and a TPU (it writes a block back and never reads it) does not.
+    assert core.check(puzzle, (("arbitrary", "arbitrary"), "columns first")) is False
+    out = capsys.readouterr().out
+    assert ("the values match, but the out index map leaves block (0, 0) after grid step (0, 0) and "
+            "comes back to it at grid step (1, 0)") in out, out
+

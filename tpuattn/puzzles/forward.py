@@ -5,6 +5,8 @@ Each puzzle's ``build`` holds everything but the learner's answer (the grid, the
 scratch buffers); its ``oracle`` is float64 NumPy written from the formula, apart from ``tpuattn``.
 Shapes are small (interpret mode runs on CPU) and tile-legal, so the same kernels compile for v5e.
 Importing this module registers the puzzles in :data:`tpuattn.puzzles.core.REGISTRY`.
+Every ``pallas_call`` goes through :func:`tpuattn.puzzles.core.pallas_call` with its operands' names,
+so the check walks its index maps over the whole grid and checks its ``"parallel"`` axes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuattn.puzzles.core import Puzzle, register
+from tpuattn.puzzles.core import Puzzle, pallas_call, register
 
 # ---------------------------------------------------------------------------------------------------
 # Shapes (small for interpret mode; every block is a multiple of the (8, 128) float32 tile, or of
@@ -93,8 +95,9 @@ def _build_copy(body, *, interpret):
     grid = (COPY_SHAPE[0] // COPY_BLOCK[0], COPY_SHAPE[1] // COPY_BLOCK[1])
 
     def fn(x):
-        return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=grid,
-                              in_specs=[spec], out_specs=spec, interpret=interpret)(x)
+        return pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=grid,
+                           in_specs=[spec], out_specs=spec, interpret=interpret, in_names=("x",),
+                           out_names=("out",))(x)
     return fn
 
 
@@ -115,8 +118,10 @@ def _build_add(specs, *, interpret):
 
     def fn(x, bias):
         x_spec, bias_spec, out_spec = specs()
-        return pl.pallas_call(_add_body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=grid,
-                              in_specs=[x_spec, bias_spec], out_specs=out_spec, interpret=interpret)(x, bias)
+        return pallas_call(_add_body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=grid,
+                           in_specs=[x_spec, bias_spec], out_specs=out_spec,
+                           compiler_params=_params("parallel", "parallel"), interpret=interpret,
+                           in_names=("x", "bias"), out_names=("out",))(x, bias)
     return fn
 
 
@@ -138,13 +143,14 @@ def _build_matmul(body, *, interpret):
     grid = (MATMUL_M // bm, MATMUL_N // bn, MATMUL_K // bk)  # the reduction axis last: "arbitrary"
 
     def fn(x, y):
-        return pl.pallas_call(
+        return pallas_call(
             body, out_shape=jax.ShapeDtypeStruct((MATMUL_M, MATMUL_N), x.dtype), grid=grid,
             in_specs=[pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
                       pl.BlockSpec((bk, bn), lambda i, j, k: (k, j))],
             out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
-            compiler_params=_params("parallel", "parallel", "arbitrary"), interpret=interpret)(x, y)
+            compiler_params=_params("parallel", "parallel", "arbitrary"), interpret=interpret,
+            in_names=("x", "y"), out_names=("out",))(x, y)
     return fn
 
 
@@ -170,9 +176,10 @@ def _build_softmax(body, *, interpret):
     spec = pl.BlockSpec((SOFTMAX_BLOCK_ROWS, cols), lambda i: (i, 0))
 
     def fn(x):
-        return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                              grid=(rows // SOFTMAX_BLOCK_ROWS,), in_specs=[spec], out_specs=spec,
-                              interpret=interpret)(x)
+        return pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           grid=(rows // SOFTMAX_BLOCK_ROWS,), in_specs=[spec], out_specs=spec,
+                           compiler_params=_params("parallel"), interpret=interpret, in_names=("x",),
+                           out_names=("out",))(x)
     return fn
 
 
@@ -196,15 +203,16 @@ def _flash_call(body, q, k, v, *, grid, q_map, kv_map, block_q, block_kv, interp
                pltpu.VMEM((block_q, HEAD_DIM), jnp.float32)]
     out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     params = _params("parallel", "arbitrary")
+    names = {"in_names": ("q", "k", "v"), "out_names": ("out",)}
     if num_prefetch:
         grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=num_prefetch, grid=grid,
                                                  in_specs=[q_spec, kv_spec, kv_spec], out_specs=q_spec,
                                                  scratch_shapes=scratch)
-        return pl.pallas_call(body, out_shape=out_shape, grid_spec=grid_spec, compiler_params=params,
-                              interpret=interpret)(*prefetch, q, k, v)
-    return pl.pallas_call(body, out_shape=out_shape, grid=grid, in_specs=[q_spec, kv_spec, kv_spec],
-                          out_specs=q_spec, scratch_shapes=scratch, compiler_params=params,
-                          interpret=interpret)(q, k, v)
+        return pallas_call(body, out_shape=out_shape, grid_spec=grid_spec, compiler_params=params,
+                           interpret=interpret, **names)(*prefetch, q, k, v)
+    return pallas_call(body, out_shape=out_shape, grid=grid, in_specs=[q_spec, kv_spec, kv_spec],
+                       out_specs=q_spec, scratch_shapes=scratch, compiler_params=params,
+                       interpret=interpret, **names)(q, k, v)
 
 
 def _build_flash(body, *, interpret):
@@ -440,10 +448,10 @@ def _build_gqa(specs, *, interpret):
     def fn(q, k, v):
         q_spec, kv_spec, out_spec = specs()
         folded = q.reshape(GQA_KV_HEADS, GQA_GROUP, GQA_Q, HEAD_DIM)
-        out = pl.pallas_call(_gqa_body, out_shape=jax.ShapeDtypeStruct(folded.shape, q.dtype),
-                             grid=GQA_GRID, in_specs=[q_spec, kv_spec, kv_spec], out_specs=out_spec,
-                             compiler_params=_params("parallel", "parallel"),
-                             interpret=interpret)(folded, k, v)
+        out = pallas_call(_gqa_body, out_shape=jax.ShapeDtypeStruct(folded.shape, q.dtype),
+                          grid=GQA_GRID, in_specs=[q_spec, kv_spec, kv_spec], out_specs=out_spec,
+                          compiler_params=_params("parallel", "parallel"), interpret=interpret,
+                          in_names=("q", "k", "v"), out_names=("out",))(folded, k, v)
         return out.reshape(q.shape)
     return fn
 
@@ -468,12 +476,12 @@ GQA = register(Puzzle(
 
 def _build_race(body, *, interpret):
     def fn(x):
-        return pl.pallas_call(
+        return pallas_call(
             body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)],  # x stays in HBM: the kernel copies it
             out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
             scratch_shapes=[pltpu.VMEM((2, RACE_ROWS, 128), x.dtype), pltpu.SemaphoreType.DMA((2,))],
-            interpret=interpret)(x)
+            interpret=interpret, in_names=("x",), out_names=("out",))(x)
     return fn
 
 
