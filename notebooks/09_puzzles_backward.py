@@ -25,14 +25,17 @@
 # - write the dQ kernel and the dK/dV kernel from the forward's logsumexp and `delta = rowsum(dO·O)`;
 # - mask a sliding window inside a tile and cap the scores with `tanh`;
 # - write the page index map of split-K decode (scalar prefetch) and merge its chunks' partial results;
-# - write one ring step: attend the local K/V block, merge, pass K/V on with `jax.lax.ppermute`;
+# - write one step of causal ring attention: attend the K/V block the ring's schedule says this device
+#   holds, merge, pass K/V on with `jax.lax.ppermute` in the direction that schedule needs;
 # - find and fix three bugs: an index map that fetches hidden blocks, a bfloat16 accumulator, and a
 #   block shape the TPU compiler refuses.
 #
 # As in notebook 08, each `check(...)` runs your answer in interpret mode on the CPU against a float64
 # NumPy answer, then compiles it for a TPU v5e with the real TPU compiler (compiled, not run), and prints
-# one line: `PASS`, `not written yet`, the first mismatch, a rule the values cannot show, or the
-# compiler's message. Each puzzle has a hidden solution cell after its check: try first.
+# one line: `PASS`, `not written yet`, the first mismatch (naming the output: `dQ`, `dK`, `dV`), a rule
+# the values cannot show (a block index outside its array, scratch carried across a `"parallel"` grid
+# axis, a copy the pipeline need not make), or the compiler's message. Each puzzle has a hidden
+# solution cell after its check: try first.
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/09_puzzles_backward.ipynb)
 
@@ -380,39 +383,49 @@ print("page fetches:", len(puzzles.fetches(index_map, puzzles.DECODE_GRID, table
       "of", int(np.prod(puzzles.DECODE_GRID)), "grid steps")
 
 # %% [markdown]
-# ## Puzzle 13 · one ring step with `ppermute` (★★☆, 15 min)
+# ## Puzzle 13 · one causal ring step with `ppermute` (★★☆, 15 min)
 #
-# Ring attention shards the sequence over devices: each of 4 devices holds 32 queries and one block of
-# 32 keys and values. In 4 steps every device sees every K/V block: at each step it attends its
-# queries to the K/V block it holds, merges that partial result into its running `(out, m, l)`, and
-# passes the block to the next device while receiving one from the previous.
+# Ring attention shards the sequence over devices: device `d` of 4 holds query block `d` (32 queries)
+# and, at first, K/V block `d` (32 keys and values). The mask is causal over the whole sequence of 128
+# tokens, so query block `d` sees K/V blocks `0 … d − 1` whole, block `d` up to the diagonal, and none
+# after it. In 4 steps every device sees every K/V block: at each step it attends its queries to the
+# K/V block it holds, merges that partial result into its running `(out, m, l)`, and passes the block on.
 #
-# Write `ring_step(q, k, v, out, m, l)` → `(out, m, l, k, v)`, the code one device runs inside
+# The block carries no label: which block a device holds at step `s` is the ring's **schedule**,
+# `(d − s) mod 4` (the one its neighbour `d − 1` held at step `s − 1`), and the causal mask is computed
+# from it. The check hands your step that block number as `kv_block`. Write
+# `ring_step(q, k, v, out, m, l, kv_block)` → `(out, m, l, k, v)`, the code one device runs inside
 # `shard_map` over a mesh axis named `puzzles.RING_AXIS`:
 #
-# - `puzzles.block_partial(q, k, v)` gives this block's `(out, m, l)` (`out` normalised by its `l`);
-# - merge it with the running state (the state starts at `out = 0, m = −inf, l = 0`; the merge of
-#   puzzle 12 for two parts);
-# - send `k` and `v` to the next device: `jax.lax.ppermute(x, axis_name, perm)` with
-#   `perm = [(d, (d + 1) % 4) for d in range(4)]` (pairs `(source, destination)`).
+# - `puzzles.block_partial(q, k, v, kv_block)` gives this block's `(out, m, l)`, masked causally as
+#   K/V block `kv_block` (`out` normalised by its `l`; a row that sees no key of the block gives
+#   `out = 0, m = −inf, l = 0`);
+# - merge it with the running state (the state starts at `out = 0, m = −inf, l = 0`; step 0 is the
+#   device's own diagonal block, where every row sees a key; the merge of puzzle 12 for two parts);
+# - pass `k` and `v` on: `jax.lax.ppermute(x, axis_name, perm)` with `perm` a list of
+#   `(source, destination)` pairs, one per device. Which way round the ring makes device `d` hold
+#   block `(d − s) mod 4` at step `s`? Sent the other way, a device masks one block as if it were
+#   another, and the values are wrong.
 #
 # The check runs 4 steps on every device. With 4 devices here it uses `shard_map`; with fewer it runs
-# the same code under `jax.vmap(..., axis_name=...)`, where `ppermute` means the same (printed below).
-# The compile is for a compile-only v5e 2x2 slice: four chips.
+# the same code under `jax.vmap(..., axis_name=...)`, where `ppermute` and `jax.lax.axis_index` mean the
+# same (printed below). The compile is for a compile-only v5e 2x2 slice: four chips.
 
 # %%
 print("the check runs on:", puzzles.ring_runs_on())
 N = puzzles.RING_DEVICES
+held = {(d, s): (d - s) % N for d in range(N) for s in range(N)}
 fig, (ax,) = panels(width=4.2, height=3.2)
-draw_grid(ax, N, N, labels={(d, s): f"K/V {(d - s) % N}" for d in range(N) for s in range(N)},
-          colours={(d, s): FETCH if (d - s) % N == d else IDLE for d in range(N) for s in range(N)},
-          title="the K/V block device d holds at step s (its own shaded)", xlabel="step s", ylabel="device d")
+draw_grid(ax, N, N, labels={(d, s): f"K/V {b}" for (d, s), b in held.items()},
+          colours={(d, s): FETCH if b < d else PARTIAL if b == d else EMPTY for (d, s), b in held.items()},
+          title="K/V block device d holds at step s: seen, diagonal, hidden", xlabel="step s",
+          ylabel="device d (query block d)")
 plt.show()
 
 
 # %% tags=["puzzle"]
-def ring_step(q, k, v, out, m, l):  # noqa: E741
-    raise NotImplementedError("attend the local block, merge into (out, m, l), ppermute k and v")
+def ring_step(q, k, v, out, m, l, kv_block):  # noqa: E741
+    raise NotImplementedError("attend block kv_block (causal), merge into (out, m, l), ppermute k and v")
 
 
 # %%
@@ -420,11 +433,13 @@ check(puzzles.RING, ring_step, chip=CHIP)
 
 
 # %% tags=["solution"]
-def ring_step(q, k, v, out, m, l):  # noqa: E741
-    block_out, block_m, block_l = puzzles.block_partial(q, k, v)
-    m_new = jnp.maximum(m, block_m)
-    old, new = l * jnp.exp(m - m_new), block_l * jnp.exp(block_m - m_new)  # the state's weight is 0 at first
+def ring_step(q, k, v, out, m, l, kv_block):  # noqa: E741
+    block_out, block_m, block_l = puzzles.block_partial(q, k, v, kv_block)
+    m_new = jnp.maximum(m, block_m)  # finite from step 0 on: the diagonal block shows every row a key
+    old, new = l * jnp.exp(m - m_new), block_l * jnp.exp(block_m - m_new)  # a hidden block weighs 0
     out = (old * out + new * block_out) / (old + new)
+    # Device d holds block (d - s) mod N at step s, the block device d - 1 held at step s - 1: so every
+    # device receives from d - 1, that is, sends to d + 1.
     perm = [(d, (d + 1) % N) for d in range(N)]
     k, v = (jax.lax.ppermute(x, puzzles.RING_AXIS, perm) for x in (k, v))
     return out, m_new, old + new, k, v

@@ -22,6 +22,10 @@ def _qk(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def _tn(a, b):
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def _dq_kernel(*, with_delta=True, with_scale=True):
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref):
         j = pl.program_id(1)
@@ -85,6 +89,10 @@ def _unclamped_page_index_map(b, c, p, page_table_ref, lengths_ref):
     return page_table_ref[b, c * bw.PAGES_PER_CHUNK + p], 0, 0
 
 
+def _next_page_index_map(b, c, p, page_table_ref, lengths_ref):
+    return page_table_ref[b, c * bw.PAGES_PER_CHUNK + p + 1], 0, 0
+
+
 def _merge(out, m, l_sum):
     weight = l_sum * jnp.exp(m - m.max(axis=1, keepdims=True))
     return (weight * out).sum(axis=1) / weight.sum(axis=1)
@@ -95,11 +103,11 @@ def _merge_without_l(out, m, l_sum):  # weighs chunks by their maxima only: forg
     return (weight * out).sum(axis=1) / weight.sum(axis=1)
 
 
-def _ring_step(*, send=True):
-    perm = [(d, (d + 1) % bw.RING_DEVICES) for d in range(bw.RING_DEVICES)]
+def _ring_step(*, send=True, direction=1):
+    perm = [(d, (d + direction) % bw.RING_DEVICES) for d in range(bw.RING_DEVICES)]
 
-    def step(q, k, v, out, m, l_sum):
-        block_out, block_m, block_l = bw.block_partial(q, k, v)
+    def step(q, k, v, out, m, l_sum, kv_block):
+        block_out, block_m, block_l = bw.block_partial(q, k, v, kv_block)
         m_new = jnp.maximum(m, block_m)
         old, new = l_sum * jnp.exp(m - m_new), block_l * jnp.exp(block_m - m_new)
         out = (old * out + new * block_out) / (old + new)
@@ -109,11 +117,68 @@ def _ring_step(*, send=True):
     return step
 
 
+def _dkv_kernel(*, dk_scale=True, zero_dv=True):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc):
+        i = pl.program_id(1)
+
+        @pl.when(i == 0)
+        def _init():
+            dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+            if zero_dv:
+                dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+        q, do = q_ref[...], do_ref[...]
+        p = jnp.exp(_qk(q, k_ref[...]) * bw.SCALE - lse_ref[...])
+        ds = p * (_qk(do, v_ref[...]) - delta_ref[...])
+        dv_acc[...] += _tn(p, do)
+        dk_acc[...] += _tn(ds, q) * (bw.SCALE if dk_scale else 1.0)
+
+        @pl.when(i == pl.num_programs(1) - 1)
+        def _write():
+            dk_ref[...] = dk_acc[...]
+            dv_ref[...] = dv_acc[...]
+    return kernel
+
+
+def _dq_zeroed_once(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref):
+    """Puzzle 9's answer with the accumulator zeroed at the first grid step and after each write instead
+    of at each row's first step: right in order on one core, not on a megacore's second core."""
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((i == 0) & (j == 0))
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    k = k_ref[...]
+    p = jnp.exp(_qk(q_ref[...], k) * bw.SCALE - lse_ref[...])
+    ds = p * (_qk(do_ref[...], v_ref[...]) - delta_ref[...])
+    acc_ref[...] += jnp.dot(ds, k, preferred_element_type=jnp.float32) * bw.SCALE
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _write():
+        dq_ref[...] = acc_ref[...]
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
 def test_dq_near_misses_fail_and_the_answer_passes(capsys):
     assert check(bw.DQ, _dq_kernel(with_delta=False)) is False
     assert check(bw.DQ, _dq_kernel(with_scale=False)) is False
-    assert capsys.readouterr().out.count("mismatch at index") == 2
+    assert capsys.readouterr().out.count("dQ mismatch at index") == 2
+    assert check(bw.DQ, _dq_zeroed_once) is False
+    out = capsys.readouterr().out
+    assert ("the values match when the grid runs in order on one core, but scratch carries over from "
+            "one index of grid axis 0 to the next, and that axis is marked \"parallel\"") in out, out
     assert check(bw.DQ, _dq_kernel()) is True
+
+
+def test_dkv_mismatches_name_dk_and_dv(capsys):
+    assert check(bw.DKV, _dkv_kernel(dk_scale=False)) is False
+    assert ": dK mismatch at index" in capsys.readouterr().out
+    # dV's accumulator never zeroed: the interpreter's uninitialised scratch is NaN.
+    assert check(bw.DKV, _dkv_kernel(zero_dv=False)) is False
+    out = capsys.readouterr().out
+    assert ": dV mismatch at index" in out and "got nan" in out, out
+    assert check(bw.DKV, _dkv_kernel()) is True
 
 
 def test_masked_near_misses_fail_and_the_answer_passes(capsys):
@@ -132,18 +197,36 @@ def test_decode_audit_and_merge(capsys):
     assert "the values match, but at grid step" in out and "does not own" in out
     assert check(bw.DECODE, lambda: (_page_index_map, _merge_without_l)) is False
     assert "mismatch at index" in capsys.readouterr().out
+    # One page on, unclamped: the last step of a chunk reads the page table past its end. On the host
+    # that raises (on a TPU it reads whatever lies beyond the table in SMEM).
+    assert check(bw.DECODE, lambda: (_next_page_index_map, _merge)) is False
+    assert ("the k_pages index map reads outside a scalar-prefetch array at grid step (0, 1, 3)"
+            in capsys.readouterr().out)
     assert check(bw.DECODE, lambda: (_page_index_map, _merge)) is True
     table, lengths = bw.decode_tables()
     clamped = bw.fetches(_page_index_map, bw.DECODE_GRID, table, lengths)
     assert len(clamped) == sum(-(-int(n) // bw.PAGE_SIZE) for n in lengths)  # each owned page once
 
 
-def test_ring_without_the_send_fails_and_with_it_passes(capsys):
+def test_ring_without_the_send_or_sent_backwards_fails_and_with_it_passes(capsys):
     # conftest gives this process 8 CPU devices: the check runs shard_map over 4 of them.
     assert bw.ring_runs_on().startswith("shard_map over 4")
     assert check(bw.RING, _ring_step(send=False)) is False
     assert "mismatch at index" in capsys.readouterr().out
+    # Sent to d - 1, device d holds block (d + s) mod 4 at step s, masked as block (d - s) mod 4: the
+    # ring is causal, so the values differ (a non-causal ring sees every block either way round).
+    assert check(bw.RING, _ring_step(direction=-1)) is False
+    out = capsys.readouterr().out
+    assert "mismatch at index (1, " in out, out
     assert check(bw.RING, _ring_step()) is True
+
+
+def test_bug_c_index_map_outside_the_array_is_named(capsys):
+    # "Start at the first block K/V block j sees" written as i + j: past the last query block at j > 0.
+    # The block outside the array is the cause of the wrong values, and is what the check names.
+    assert check(bw.CAUSAL_DKV, lambda j, i: (i + j, 0)) is False
+    out = capsys.readouterr().out
+    assert "the q index map asks for block (4, 0) at grid step (1, 3); q has 4 x 1 blocks" in out, out
 
 
 def test_fetches_walks_the_grid_in_order():

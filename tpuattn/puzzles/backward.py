@@ -1,5 +1,5 @@
 """Backward, decode and ring puzzles, in order of difficulty: the dQ kernel, the dK/dV kernel, softcap
-and a sliding window inside a tile, split-K decode over pages, one ring step with ``ppermute``; plus
+and a sliding window inside a tile, split-K decode over pages, one causal ring step with ``ppermute``; plus
 three find-the-bug kernels (an index map that fetches hidden blocks, a bfloat16 accumulator, a block
 the TPU compiler refuses).
 
@@ -7,6 +7,8 @@ Each puzzle's ``build`` holds everything but the learner's answer; its ``oracle`
 written from the formula, apart from ``tpuattn``. Shapes are small (interpret mode runs on CPU) and
 tile-legal, so the same kernels compile for v5e. Importing this module registers the puzzles in
 :data:`tpuattn.puzzles.core.REGISTRY`. Numbering continues the forward puzzles (1-8, A, B).
+Every ``pallas_call`` goes through :func:`tpuattn.puzzles.core.pallas_call` with its operands' names,
+so the check walks its index maps over the whole grid and checks its ``"parallel"`` axes.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuattn.puzzles.core import Puzzle, register
+from tpuattn.puzzles.core import Puzzle, pallas_call, register
 
 # ---------------------------------------------------------------------------------------------------
 # Shapes (small for interpret mode; blocks are multiples of the (8, 128) float32 tile, or the array's
@@ -36,6 +38,7 @@ RING_DEVICES, RING_BLOCK = 4, 32               # puzzle 13: 4 devices, 32 querie
 RING_AXIS = "ring"
 BF16_ROWS, BF16_REDUCE, BF16_COLS, BF16_BLOCK = 16, 4096, 128, 128  # bug D: a 4096-long reduction
 DELTA_SEQ = 256                                # bug E
+BACKWARD_INPUTS = ("q", "k", "v", "do", "lse", "delta")  # the backward kernels' inputs, in order
 
 
 def _rng(seed: int) -> np.random.Generator:
@@ -142,17 +145,18 @@ def _build_dq(body, *, interpret):
     kv = pl.BlockSpec((BLOCK_KV, HEAD_DIM), lambda i, j: (j, 0))
 
     def fn(q, k, v, do, lse, delta):
-        return pl.pallas_call(
+        return pallas_call(
             body, out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32), grid=DQ_GRID,
             in_specs=[row, kv, kv, row, stat, stat], out_specs=row,
             scratch_shapes=[pltpu.VMEM((BLOCK_Q, HEAD_DIM), jnp.float32)],
-            compiler_params=_params("parallel", "arbitrary"), interpret=interpret)(q, k, v, do, lse, delta)
+            compiler_params=_params("parallel", "arbitrary"), interpret=interpret,
+            in_names=BACKWARD_INPUTS, out_names=("dq",))(q, k, v, do, lse, delta)
     return fn
 
 
 DQ = register(Puzzle(
     "9. the dQ kernel", _build_dq, lambda: _backward_inputs(9),
-    lambda q, k, v, do, lse, delta: _gradients64(q, k, v, do)[0], rtol=1e-4, atol=1e-5))
+    lambda q, k, v, do, lse, delta: _gradients64(q, k, v, do)[0], rtol=1e-4, atol=1e-5, outputs=("dQ",)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,17 +172,19 @@ def _build_dkv(body, *, interpret):
 
     def fn(q, k, v, do, lse, delta):
         out = jax.ShapeDtypeStruct(k.shape, jnp.float32)
-        return pl.pallas_call(
+        return pallas_call(
             body, out_shape=(out, out), grid=DKV_GRID,
             in_specs=[row, kv, kv, row, stat, stat], out_specs=(kv, kv),
             scratch_shapes=[pltpu.VMEM((BLOCK_KV, HEAD_DIM), jnp.float32)] * 2,
-            compiler_params=_params("parallel", "arbitrary"), interpret=interpret)(q, k, v, do, lse, delta)
+            compiler_params=_params("parallel", "arbitrary"), interpret=interpret,
+            in_names=BACKWARD_INPUTS, out_names=("dk", "dv"))(q, k, v, do, lse, delta)
     return fn
 
 
 DKV = register(Puzzle(
     "10. the dK/dV kernel", _build_dkv, lambda: _backward_inputs(10),
-    lambda q, k, v, do, lse, delta: _gradients64(q, k, v, do)[1:], rtol=1e-4, atol=1e-5))
+    lambda q, k, v, do, lse, delta: _gradients64(q, k, v, do)[1:], rtol=1e-4, atol=1e-5,
+    outputs=("dK", "dV")))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,13 +199,14 @@ def _build_masked(body, *, interpret):
     kv = pl.BlockSpec((MASK_BLOCK, HEAD_DIM), lambda i, j: (j, 0))
 
     def fn(q, k, v):
-        return pl.pallas_call(
+        return pallas_call(
             body, out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32), grid=MASK_GRID,
             in_specs=[block, kv, kv], out_specs=block,
             scratch_shapes=[pltpu.VMEM((MASK_BLOCK, 1), jnp.float32),
                             pltpu.VMEM((MASK_BLOCK, 1), jnp.float32),
                             pltpu.VMEM((MASK_BLOCK, HEAD_DIM), jnp.float32)],
-            compiler_params=_params("parallel", "arbitrary"), interpret=interpret)(q, k, v)
+            compiler_params=_params("parallel", "arbitrary"), interpret=interpret,
+            in_names=("q", "k", "v"), out_names=("out",))(q, k, v)
     return fn
 
 
@@ -300,12 +307,13 @@ def _build_decode(parts, *, interpret):
             scratch_shapes=[pltpu.VMEM((DECODE_HEADS, 1), jnp.float32),
                             pltpu.VMEM((DECODE_HEADS, 1), jnp.float32),
                             pltpu.VMEM((DECODE_HEADS, HEAD_DIM), jnp.float32)])
-        out, m, l_sum = pl.pallas_call(
+        out, m, l_sum = pallas_call(
             _decode_body, grid_spec=grid_spec,
             out_shape=(jax.ShapeDtypeStruct((batch, DECODE_CHUNKS, DECODE_HEADS, HEAD_DIM), jnp.float32),
                        stat, stat),
-            compiler_params=_params("parallel", "parallel", "arbitrary"),
-            interpret=interpret)(jnp.asarray(table), jnp.asarray(lengths), q, k_pages, v_pages)
+            compiler_params=_params("parallel", "parallel", "arbitrary"), interpret=interpret,
+            in_names=("q", "k_pages", "v_pages"), out_names=("out", "m", "l"),
+        )(jnp.asarray(table), jnp.asarray(lengths), q, k_pages, v_pages)
         return merge(out, m, l_sum)
     return fn
 
@@ -355,27 +363,45 @@ DECODE = register(Puzzle(
 
 
 # ---------------------------------------------------------------------------------------------------
-# 13. one ring step: inside shard_map over RING_DEVICES devices, each holding RING_BLOCK queries and
-# one K/V block; the learner's step attends the local K/V block, merges, and passes K/V on.
+# 13. one ring step, causal: inside shard_map over RING_DEVICES devices, device d holding query block d
+# (RING_BLOCK queries) and, at first, K/V block d. The ring's schedule: at step s device d holds K/V
+# block (d - s) mod RING_DEVICES, so each step passes K/V to the next device (d -> d + 1). The learner's
+# step attends the block it holds (masked causally as that block), merges, and passes K/V on; sent the
+# other way, a device holds another block than the one it masks for, and the values are wrong.
 
-def block_partial(q, k, v):
-    """One device's partial result of ``q`` against one K/V block: ``(out, m, l)`` with ``out``
-    normalised by this block's ``l`` (``[rows, head_dim]``, ``[rows, 1]``, ``[rows, 1]``, float32)."""
+def held_block(step: int):
+    """The K/V block this device holds at ring step ``step`` by the ring's schedule:
+    ``(d - step) mod RING_DEVICES`` with ``d = jax.lax.axis_index(RING_AXIS)`` (traced, int32)."""
+    d = jax.lax.axis_index(RING_AXIS)
+    return jax.lax.rem(d + RING_DEVICES - step, RING_DEVICES)
+
+
+def block_partial(q, k, v, kv_block):
+    """This device's partial result of its queries (query block ``jax.lax.axis_index(RING_AXIS)`` of the
+    whole sequence) against ``k``, ``v`` taken as K/V block ``kv_block``, masked causally (query ``r``
+    sees key ``c`` iff ``c <= r``, both positions in the whole sequence): ``(out, m, l)`` with ``out``
+    normalised by this block's ``l`` (``[rows, head_dim]``, ``[rows, 1]``, ``[rows, 1]``, float32). A row
+    that sees no key of the block gives ``out = 0, m = -inf, l = 0``."""
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * SCALE
+    rows = jax.lax.axis_index(RING_AXIS) * q.shape[0] + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    cols = kv_block * k.shape[0] + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    s = jnp.where(cols <= rows, s, -jnp.inf)
     m = s.max(axis=1, keepdims=True)
-    p = jnp.exp(s - m)
+    p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))  # a row that sees nothing: p = 0, not NaN
     l_sum = p.sum(axis=1, keepdims=True)
-    return jnp.dot(p, v, preferred_element_type=jnp.float32) / l_sum, m, l_sum
+    out = jnp.dot(p, v, preferred_element_type=jnp.float32) / jnp.where(l_sum > 0, l_sum, 1.0)
+    return out, m, l_sum
 
 
 def _ring(step):
-    """Every device's whole ring: RING_DEVICES steps of the learner's ``step`` from the empty state."""
+    """Every device's whole ring: RING_DEVICES steps of the learner's ``step`` from the empty state,
+    step ``s`` handed the block the schedule says the device holds then (:func:`held_block`)."""
     def run(q, k, v):
         out = jnp.zeros(q.shape, jnp.float32)
         m = jnp.full((q.shape[0], 1), -jnp.inf, jnp.float32)
         l_sum = jnp.zeros((q.shape[0], 1), jnp.float32)
-        for _ in range(RING_DEVICES):
-            out, m, l_sum, k, v = step(q, k, v, out, m, l_sum)
+        for s in range(RING_DEVICES):
+            out, m, l_sum, k, v = step(q, k, v, out, m, l_sum, held_block(s))
         return out
     return run
 
@@ -443,12 +469,12 @@ def _ring_inputs():
 def _ring64(q, k, v):
     q, k, v = _f64(q, k, v)
     n, rows, d = q.shape
-    out = _probabilities64(q.reshape(n * rows, d), k.reshape(n * rows, d)) @ v.reshape(n * rows, d)
-    return out.reshape(n, rows, d)
+    q, k, v = (a.reshape(n * rows, d) for a in (q, k, v))
+    return (_probabilities64(q, k, causal_visible(n * rows)) @ v).reshape(n, rows, d)
 
 
 RING = register(Puzzle(
-    "13. one ring step (ppermute)", _build_ring, _ring_inputs, _ring64, rtol=1e-4, atol=1e-5))
+    "13. one ring step (ppermute), causal", _build_ring, _ring_inputs, _ring64, rtol=1e-4, atol=1e-5))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -492,11 +518,12 @@ def _build_causal_dkv(q_index_map, *, interpret):
 
     def fn(q, k, v, do, lse, delta):
         out = jax.ShapeDtypeStruct(k.shape, jnp.float32)
-        return pl.pallas_call(
+        return pallas_call(
             _causal_dkv_body, out_shape=(out, out), grid=CAUSAL_GRID,
             in_specs=[row, kv, kv, row, stat, stat], out_specs=(kv, kv),
             scratch_shapes=[pltpu.VMEM((CAUSAL_BLOCK, HEAD_DIM), jnp.float32)] * 2,
-            compiler_params=_params("parallel", "arbitrary"), interpret=interpret)(q, k, v, do, lse, delta)
+            compiler_params=_params("parallel", "arbitrary"), interpret=interpret,
+            in_names=BACKWARD_INPUTS, out_names=("dk", "dv"))(q, k, v, do, lse, delta)
     return fn
 
 
@@ -517,7 +544,7 @@ CAUSAL_DKV = register(Puzzle(
     "C. find the bug: fetching hidden blocks", _build_causal_dkv,
     lambda: _backward_inputs(14, causal_visible(SEQ)),
     lambda q, k, v, do, lse, delta: _gradients64(q, k, v, do, causal_visible(SEQ))[1:],
-    rtol=1e-4, atol=1e-5, kind="bug", audit=_causal_dkv_audit))
+    rtol=1e-4, atol=1e-5, kind="bug", audit=_causal_dkv_audit, outputs=("dK", "dV")))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -529,13 +556,14 @@ BF16_GRID = (BF16_REDUCE // BF16_BLOCK,)
 
 def _build_bf16(body, *, interpret):
     def fn(x, y):
-        return pl.pallas_call(
+        return pallas_call(
             body, out_shape=jax.ShapeDtypeStruct((BF16_ROWS, BF16_COLS), jnp.bfloat16), grid=BF16_GRID,
             in_specs=[pl.BlockSpec((BF16_ROWS, BF16_BLOCK), lambda k: (0, k)),
                       pl.BlockSpec((BF16_BLOCK, BF16_COLS), lambda k: (k, 0))],
             out_specs=pl.BlockSpec((BF16_ROWS, BF16_COLS), lambda k: (0, 0)),
             scratch_shapes=[pltpu.VMEM((BF16_ROWS, BF16_COLS), jnp.float32)],
-            compiler_params=_params("arbitrary"), interpret=interpret)(x, y)
+            compiler_params=_params("arbitrary"), interpret=interpret, in_names=("x", "y"),
+            out_names=("out",))(x, y)
     return fn
 
 
@@ -575,10 +603,10 @@ def _build_delta(block_spec, *, interpret):
         rows, cols = spec.block_shape
         grid = (o.shape[0] // rows, o.shape[1] // cols)
         out_spec = pl.BlockSpec((rows, 1), lambda i, d: (i, 0))
-        return pl.pallas_call(
+        return pallas_call(
             _delta_body, out_shape=jax.ShapeDtypeStruct((o.shape[0], 1), jnp.float32), grid=grid,
             in_specs=[spec, spec], out_specs=out_spec, compiler_params=_params("parallel", "arbitrary"),
-            interpret=interpret)(o, do)
+            interpret=interpret, in_names=("o", "do"), out_names=("delta",))(o, do)
     return fn
 
 
@@ -594,6 +622,6 @@ TILE_RULE = register(Puzzle(
 
 PUZZLES = (DQ, DKV, MASKED, DECODE, RING, CAUSAL_DKV, BF16_ACC, TILE_RULE)
 
-__all__ = ["PUZZLES", "block_partial", "causal_visible", "decode_tables", "fetches", "needed_pages",
-           "ring_runs_on", "window_visible"] + [
+__all__ = ["PUZZLES", "block_partial", "causal_visible", "decode_tables", "fetches", "held_block",
+           "needed_pages", "ring_runs_on", "window_visible"] + [
     "BF16_ACC", "CAUSAL_DKV", "DECODE", "DKV", "DQ", "MASKED", "RING", "TILE_RULE"]
