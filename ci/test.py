@@ -343,8 +343,8 @@ def notebook_parameters(stem: str) -> set[str]:
 
 
 # The colab stage's tests: the puzzle harness and every puzzle notebook's stubs and solutions, each
-# solution compiled for v5e by Colab's libtpu.
-COLAB_TEST_FILES = ("tests/test_puzzles.py", "tests/test_puzzles_backward.py")
+# solution compiled for v5e by Colab's libtpu, and the serialization version held to what it reads.
+COLAB_TEST_FILES = ("tests/test_puzzles.py", "tests/test_puzzles_backward.py", "tests/test_aot_libtpu.py")
 
 
 def colab_jobs(tmp: Path) -> list[Job]:

@@ -94,9 +94,17 @@ def reset_races() -> None:
 INTERPRETER_READS_VARYING_TABLES = False
 
 
-# What the installed libtpu reads, learned once per process by match_installed_libtpu: None (JAX's own
-# choice compiles), or the newest Mosaic serialization version it accepts.
-_LIBTPU_READS: dict[str, int | None] = {}
+# libtpu releases that read older Mosaic serializations than the build date they report leads JAX to
+# write (seen here with match_installed_libtpu's probe: libtpu 0.0.21.1, Colab's TPU runtime's, reports
+# a build of 2025-08-25 and reads up to version 7, while JAX 0.7.2 writes 8 for builds after
+# 2025-08-14). With one of them installed, every lowering in the process is held to what it reads from
+# the start -- on a real TPU too, where no compile-only device is made to ask. The test command's colab
+# stage holds this table to the probe (tests/test_puzzles.py).
+KNOWN_LIBTPU_READS = {"0.0.21.1": 7}
+# The newest Mosaic serialization version lowering may write in this process (None: JAX's own choice),
+# and whether the probe has run.
+_LIBTPU_READS: dict[str, int | None] = {"version": None}
+_PROBED: list[bool] = []
 _UNSUPPORTED_VERSION = re.compile(r"Unsupported version: expected <= (\d+) but got (\d+)")
 
 
@@ -107,25 +115,51 @@ def mosaic_version_refused(message: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def installed_libtpu() -> str | None:
+    """The installed libtpu's version, or None without one."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _hold_lowering_to(reads: int | None) -> None:
+    """Every Mosaic lowering from now on writes at most version ``reads`` (None: JAX's own choice)."""
+    from jax._src import tpu_custom_call
+
+    _LIBTPU_READS["version"] = reads
+    original = getattr(tpu_custom_call, "get_ir_version", None)
+    if original is None or getattr(original, "tpuattn_held", False):
+        return  # a JAX that no longer chooses this way, or held already (the value above is read)
+
+    def get_ir_version(ctx):
+        chosen = original(ctx)  # None: the newest JAX writes
+        held = _LIBTPU_READS["version"]
+        return held if held is not None and (chosen is None or chosen > held) else chosen
+
+    get_ir_version.tpuattn_held = True
+    tpu_custom_call.get_ir_version = get_ir_version
+
+
 def match_installed_libtpu(device) -> int | None:
-    """Make compile-only TPU lowering emit the Mosaic serialization version the installed libtpu reads.
+    """Make Mosaic lowering emit the serialization version the installed libtpu reads, as it says.
 
     ``device`` is a compile-only TPU device (``jax.experimental.topologies``). The first call compiles
     a one-tile copy kernel for it with JAX's own choice of version; if libtpu refuses the version,
     every later Mosaic lowering in this process for which JAX would choose a newer version gets the
     newest the refusal names instead (the process has one libtpu). Returns that version (None: JAX's
-    own choice stands).
+    own choice compiles).
     """
-    if "version" in _LIBTPU_READS:
-        return _LIBTPU_READS["version"]
     _skip_layout_query_off_device()
-    from jax._src import tpu_custom_call
+    if _PROBED:
+        return _LIBTPU_READS["version"]
     from jax.experimental import pallas as pl
 
-    _LIBTPU_READS["version"] = None  # while probing, JAX chooses
-    original = getattr(tpu_custom_call, "get_ir_version", None)
-    if original is None:  # a JAX that no longer chooses this way: nothing to match
-        return None
+    _PROBED.append(True)
+    known = _LIBTPU_READS["version"]
+    _hold_lowering_to(None)  # while probing, JAX chooses
 
     def copy(x_ref, o_ref):
         o_ref[...] = x_ref[...]
@@ -134,18 +168,12 @@ def match_installed_libtpu(device) -> int | None:
     probe = pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct(tile.shape, tile.dtype))
     try:
         jax.jit(probe).lower(tile).compile()
-        return None
+        reads = None
     except Exception as error:  # noqa: BLE001 - JAX's runtime error class differs between versions
         reads = mosaic_version_refused(str(error))
-        if reads is None:
-            return None  # another failure: the real compile will report it
-    _LIBTPU_READS["version"] = reads
-
-    def get_ir_version(ctx):
-        chosen = original(ctx)  # None: the newest JAX writes
-        return reads if chosen is None or chosen > reads else chosen
-
-    tpu_custom_call.get_ir_version = get_ir_version
+        if reads is None:  # another failure: the real compile will report it; keep what was known
+            reads = known
+    _hold_lowering_to(reads)
     return reads
 
 
@@ -174,3 +202,7 @@ def _skip_layout_query_off_device() -> None:
 
     is_default_layout.tpuattn_compile_only = True
     pxla.is_default_layout = is_default_layout
+
+
+if KNOWN_LIBTPU_READS.get(installed_libtpu() or "") is not None:
+    _hold_lowering_to(KNOWN_LIBTPU_READS[installed_libtpu()])
