@@ -275,3 +275,27 @@ def test_contract_errors_are_the_single_device_ones():
     q, k, v = random_qkv(np.random.default_rng(0), 32, 32, head_dim=8)
     with pytest.raises(ValueError, match=r"^window: expected a non-negative left extent, got -1$"):
         parallel.attention(q, k, v, mesh=mesh((4, "s")), seq_axis="s", window=(-1, 0))
+
+
+@pytest.mark.parametrize("impl", parallel.local_implementations())
+def test_a_nan_key_reaches_the_ring_gradients(impl):
+    """The project's rule through the ring: a NaN key makes the rows that see it NaN, and their gradients
+    NaN, never finite (before: with impl="reference" dk and dv came back finite, the merged row max
+    NaN read as "saw nothing" by the local backward)."""
+    m = mesh((4, "s"))
+    rng = np.random.default_rng(23)
+    q, k, v = random_qkv(rng, 32, 32, q_heads=2, kv_heads=2, head_dim=8)
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    k[0, 20, 0] = np.nan  # seen by rows 20.. of head 0 (causal), on the last two devices
+
+    def loss(q, k, v):
+        out = parallel.attention(q, k, v, mesh=m, seq_axis="s", impl=impl, causal=True)
+        return jnp.sum(out * d_out), out
+
+    (_, out), (dq, dk, dv) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    nan_rows = np.isnan(np.asarray(out)).any(axis=3)[0]  # [q_len, heads]
+    np.testing.assert_array_equal(nan_rows[:, 0], np.arange(32) >= 20)
+    assert not nan_rows[:, 1].any()
+    for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
+        grad = np.asarray(grad)
+        assert np.isnan(grad[:, :, 0]).any(), f"{name} of head 0 is finite where its output is NaN"

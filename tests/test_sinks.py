@@ -234,3 +234,47 @@ def test_replicated_sinks_inside_a_users_shard_map_sum_their_gradient_over_the_d
     assert_grads_close(grads[:3], want[:3], tol=GRAD_TOL, finite=True)
     np.testing.assert_allclose(np.asarray(grads[3], np.float64), want[3], atol=GRAD_TOL, rtol=GRAD_TOL,
                                err_msg="dsinks: the sum over the devices' shares")
+
+
+# Non-finite inputs: a NaN output never comes with finite gradients (the project's rule, as in
+# tests/test_hardening.py). 32 tokens: short enough that XLA's CPU max returns a NaN row max for a row
+# that sees a NaN key (at 128 tokens its vectorised max skips the NaN), the case the reference's
+# backward read as "saw nothing" (P = 0: dq, dk, dv exactly zero, or dk and dv finite).
+def _nan_per_head(x):
+    return np.isnan(np.asarray(x, np.float64)).any(axis=tuple(i for i in range(x.ndim) if i != 2))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("impl", TAKERS)
+def test_a_non_finite_sink_gives_its_head_nan_outputs_and_nan_gradients(impl, bad):
+    rng = np.random.default_rng(17)
+    q, k, v = random_qkv(rng, 32, 32, q_heads=2, kv_heads=2, head_dim=16)
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    out, (dq, dk, dv, dz) = _run(impl, dict(causal=True), q, k, v, np.array([bad, 0.5], np.float32), d_out)
+    assert np.isnan(np.asarray(out)[:, :, 0]).all(), "head 0's output: NaN everywhere"
+    for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):  # head 0 (its own kv head) NaN, head 1 not
+        np.testing.assert_array_equal(_nan_per_head(grad), [True, False], err_msg=name)
+    assert np.isnan(np.asarray(dz)[0])
+    # Head 1 is untouched: the oracle's values with a finite sink for head 0.
+    want_out = oracle_attention(q, k, v, causal=True, sinks=[0.0, 0.5])
+    np.testing.assert_allclose(np.asarray(out, np.float64)[:, :, 1], want_out[:, :, 1], atol=FORWARD_TOL,
+                               rtol=FORWARD_TOL)
+    want = oracle_grads(q, k, v, d_out, causal=True, sinks=[0.0, 0.5])
+    head1 = lambda x: np.asarray(x, np.float64)[1] if np.ndim(x) == 1 else np.asarray(x, np.float64)[:, :, 1]
+    for name, got, w in zip(("dq", "dk", "dv", "dz"), (dq, dk, dv, dz), want, strict=True):
+        np.testing.assert_allclose(head1(got), head1(w), atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=name)
+
+
+@pytest.mark.parametrize("impl", TAKERS)
+def test_a_nan_key_with_finite_sinks_reaches_dk_and_dv(impl):
+    rng = np.random.default_rng(19)
+    q, k, v = random_qkv(rng, 32, 32, q_heads=2, kv_heads=2, head_dim=16)
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    k[0, 20, 0] = np.nan  # kv head 0's key 20: rows 20.. of query head 0 see it (causal)
+    out, (dq, dk, dv, dz) = _run(impl, dict(causal=True), q, k, v, np.array([0.5, -1.0], np.float32), d_out)
+    nan_rows = np.isnan(np.asarray(out)).any(axis=3)[0]  # [q_len, heads]
+    np.testing.assert_array_equal(nan_rows[:, 0], np.arange(32) >= 20)
+    assert not nan_rows[:, 1].any()
+    for name, grad in (("dk", dk), ("dv", dv), ("dq", dq)):
+        assert _nan_per_head(grad)[0], f"{name} of head 0 is finite where its output is NaN"
+    assert np.isnan(np.asarray(dz)[0])

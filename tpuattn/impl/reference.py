@@ -60,7 +60,9 @@ def _block_probabilities(q, k, segment_ids, spec, m, log_l):
         t = jnp.tanh(s / spec.softcap)
         s, slope = spec.softcap * t, 1.0 - t * t
     rows = lambda x: x.reshape(b, spec.num_kv_heads, spec.group_size, tq)[..., None]
-    keep = jnp.logical_and(visibility(segment_ids, spec), jnp.isfinite(rows(m)))
+    # Only m = -inf means "saw nothing"; a NaN or +inf row max (a NaN key, a NaN or infinite sink)
+    # makes the row's P NaN, as its output is, so the gradients are NaN too, never silently finite.
+    keep = jnp.logical_and(visibility(segment_ids, spec), rows(m) != -jnp.inf)
     return jnp.where(keep, jnp.exp((s - jnp.where(keep, rows(m), 0.0)) - rows(log_l)), 0.0), slope
 
 
