@@ -140,6 +140,26 @@ def test_inside_a_users_shard_map_with_default_checks(impl, sharding):
     assert _max_error(grads, oracle_grads(q, k, v, d_out, causal=True)) < 1e-4
 
 
+def test_splash_in_an_eager_shard_map_leaves_no_tracer_in_its_kernel_cache():
+    """splash caches its kernel per problem; one first built inside an eager ``shard_map`` (no jit) kept
+    that trace's tracers, and every later splash call of that shape, even outside any shard_map, failed
+    with a raw ``UnexpectedTracerError`` (JAX 0.7: ``NotImplementedError('must override', ...)``)."""
+    if "splash" not in IMPLS:
+        pytest.skip("splash not available")
+    from tpuattn.impl import splash
+
+    splash._splash_kernel.cache_clear()  # the kernel of this shape is built inside the shard_map below
+    q, k, v = random_qkv(np.random.default_rng(14), LEN, LEN, batch=len(jax.devices()), head_dim=HEAD_DIM)
+    want = oracle_attention(q, k, v, causal=True)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    attend = lambda q, k, v: tpuattn.attention(q, k, v, causal=True, impl="splash")
+    sharded = _shard_map(attend, mesh, (P("data"),) * 3, P("data"))
+    tol = dict(atol=FORWARD_TOL["float32"], rtol=FORWARD_TOL["float32"])
+    np.testing.assert_allclose(np.asarray(sharded(q, k, v), np.float64), want, **tol)
+    np.testing.assert_allclose(np.asarray(attend(q, k, v), np.float64), want, **tol)
+    np.testing.assert_allclose(np.asarray(jax.jit(attend)(q, k, v), np.float64), want, **tol)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_64_bit_mode_with_gqa(impl):
     q, _, _ = random_qkv(np.random.default_rng(5), LEN, LEN, q_heads=4, head_dim=HEAD_DIM)

@@ -65,11 +65,25 @@ def _splash_kernel(q_len_padded, kv_len_padded, num_q_heads, mqa, positional, bl
                            block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
                            block_q_dq=block_q, block_kv_dq=block_kv)
     make = sa.make_splash_mqa if mqa else sa.make_splash_mha
-    # The kernel holds the tile tables as arrays. Build them as constants even when called while
-    # tracing (under jit), or the cached kernel would carry that trace's tracers into the next one.
-    with jax.ensure_compile_time_eval():
+    # The kernel holds the tile tables as arrays. Build them as concrete arrays whatever trace is
+    # current, or the cached kernel would carry that trace's tracers into every later call.
+    with _outside_any_trace():
         return make(sa.MultiHeadMask([head_mask] * num_q_heads), block_sizes=blocks, head_shards=1,
                     q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
+
+
+def _outside_any_trace():
+    """A context in which JAX operations run eagerly on concrete values, whatever trace is current.
+
+    ``jax.ensure_compile_time_eval`` is not enough: it folds constants under ``jit``, but inside an
+    eager ``shard_map`` (no jit) the operations still go to the shard_map's trace, and a kernel cached
+    there kept its tracers (every later call of that shape failed with ``UnexpectedTracerError``, or
+    JAX 0.7's ``NotImplementedError('must override', ShardMapTracer)``). JAX's evaluation context
+    (``jax._src.core.eval_context``, in 0.7 and 0.10 alike) leaves every trace.
+    """
+    from jax._src import core
+
+    return core.eval_context()
 
 
 def _positional(spec) -> tuple[str, tuple | None, int]:
