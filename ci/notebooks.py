@@ -66,7 +66,16 @@ def prepare_input(stem: str, scratch: Path, update: bool) -> Path:
         shutil.copyfile(ipynb, target)
         return target
     if ipynb.exists():
-        shutil.copyfile(ipynb, target)
+        import nbformat
+
+        # papermill gives every cell an empty "tags" list. jupytext --update restores cell metadata
+        # the text format does not show (an empty list) over the .py's, so a tag added in the .py to
+        # a cell executed before would be lost: drop the empty lists first.
+        nb = nbformat.read(ipynb, as_version=4)
+        for cell in nb.cells:
+            if cell.metadata.get("tags") == []:
+                del cell.metadata["tags"]
+        nbformat.write(nb, target)
         jupytext("--to", "ipynb", "--update", "--output", str(target), str(py))
     else:
         jupytext("--to", "ipynb", "--output", str(target), str(py))
