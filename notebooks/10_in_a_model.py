@@ -112,7 +112,7 @@ print(f"corpus: {len(data)} bytes of the project's own prose, e.g. {lm.decode_by
 # the logits of every implementation against the reference's, each asserted to lie within
 # `LOGITS_BOUND` of them:
 
-# %%
+# %% tags=["nbval-ignore-output"]
 LOGITS_BOUND = 1e-4  # far above float32 rounding, far below a wrong result
 model = lm.Transformer(config, rngs=nnx.Rngs(0), impl="reference")
 params = nnx.state(model, nnx.Param)
@@ -150,7 +150,7 @@ for impl in TRAIN_IMPLS:
     print(f"{impl:>10}: {TRAIN_STEPS} steps in {seconds[impl]:.1f} s (measured, {PLATFORM.backend}; "
           "compile included)")
 
-# %%
+# %% tags=["nbval-ignore-output"]
 LOSS_BOUND = 1e-3  # nats per byte: the largest difference between implementations' losses allowed
 fig, ax = plt.subplots(figsize=(6.5, 3.5))
 for impl, losses in curves.items():
