@@ -140,6 +140,21 @@ def test_inside_a_users_shard_map_with_default_checks(impl, sharding):
     assert _max_error(grads, oracle_grads(q, k, v, d_out, causal=True)) < 1e-4
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_eager_gradients_inside_a_users_shard_map(impl):
+    """``jax.grad`` without jit of a user's ``shard_map`` (default checks, batch sharded). Before, splash
+    raised a raw "`manual_axis_type` on `jax.ShapeDtypeStruct` must not be None" (JAX 0.7: "`vma`"):
+    the eager shard_map ran splash's own custom VJP with its checks on again."""
+    rng = np.random.default_rng(15)
+    q, k, v = random_qkv(rng, LEN, LEN, batch=len(jax.devices()), head_dim=HEAD_DIM)
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    attend = _shard_map(lambda q, k, v: tpuattn.attention(q, k, v, causal=True, impl=impl), mesh,
+                        (P("data"),) * 3, P("data"))
+    grads = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * d_out), argnums=(0, 1, 2))(q, k, v)
+    assert _max_error(grads, oracle_grads(q, k, v, d_out, causal=True)) < 1e-4
+
+
 def test_splash_in_an_eager_shard_map_leaves_no_tracer_in_its_kernel_cache():
     """splash caches its kernel per problem; one first built inside an eager ``shard_map`` (no jit) kept
     that trace's tracers, and every later splash call of that shape, even outside any shard_map, failed

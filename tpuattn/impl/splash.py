@@ -168,13 +168,14 @@ def splash_attention(q, k, v, segment_ids, spec, *, sinks=None, **options):
     sinks = floor if sinks is None else jnp.maximum(jnp.asarray(sinks, jnp.float32), floor)
     # Inside a user's shard_map, replicated sinks typed varying like q, k, v: the transpose of that
     # cast sums the sinks' per-device gradients over the devices (without it, one device's share).
-    sinks = mark_varying(sinks, varying_axes(q, k, v))
+    axes = varying_axes(q, k, v)
+    sinks = mark_varying(sinks, axes)
 
     def batched(q, k, v, segments, sinks):
         one_batch = lambda q, k, v, segments: kernel(q, k, v, segment_ids=segments, sinks=sinks)
         return jax.vmap(one_batch)(q, k, v, segments)  # [batch, heads, q_pad, dim]
 
-    out = _guarded(batched)(q, k, v, segments, sinks)
+    out = _guarded(batched, axes)(q, k, v, segments, sinks)
     return jnp.swapaxes(out[:, :, :q_len], 1, 2).astype(spec.dtype)
 
 
@@ -183,8 +184,8 @@ SECOND_DERIVATIVE = ("impl='splash' has no second derivatives: JAX's splash kern
                      "(e.g. Hessian-vector products).")
 
 
-def _guarded(fn):
-    """``fn(q, k, v, segments)`` differentiable once, traced without 64-bit types, forward and backward.
+def _guarded(fn, axes: tuple[str, ...]):
+    """``fn(q, k, v, segments, sinks)`` differentiable once, traced without 64-bit types, both passes.
 
     Splash's index maps mix int32 grid indices with Python ints, which become int64 under
     ``jax_enable_x64`` and fail inside JAX's kernel; nothing here needs 64 bits, so both passes are
@@ -192,12 +193,13 @@ def _guarded(fn):
     its outputs no varying mesh axes, so the kernel is always traced with the checks off (a no-op
     outside a shard_map) and its outputs marked as varying like the inputs (the sinks, typed varying
     like q by the caller, get this device's share of their gradient, which the caller's cast sums).
+    ``axes`` are those the caller's q, k, v vary over, read once before any of this (with the checks
+    off, JAX types the results of operations, cotangents among them, as varying over none).
     Differentiating the backward (a second derivative) raises a clear error instead of splash's bare
     ``NotImplementedError``.
     """
 
     def run(q, k, v, segments, sinks):
-        axes = varying_axes(q, k, v)
         with x64(False), vma_checks_off():
             q, k, v, sinks = _invariant(axes, q, k, v, sinks)
             out = fn(q, k, v, segments, sinks)
@@ -208,14 +210,12 @@ def _guarded(fn):
         return run(q, k, v, segments, sinks)
 
     def call_fwd(q, k, v, segments, sinks):
-        axes = varying_axes(q, k, v)
         with x64(False), vma_checks_off():
             q, k, v, sinks = _invariant(axes, q, k, v, sinks)
             out, vjp = _first_order_vjp(fn, q, k, v, segments, sinks)
         return mark_varying(out, axes), vjp
 
     def call_bwd(vjp, d_out):
-        axes = varying_axes(d_out)
         with x64(False), vma_checks_off():
             dq, dk, dv, d_sinks = _first_order(vjp, *_invariant(axes, d_out))
         # d_sinks: this device's share, typed like the sinks (varying like q, k, v: see splash_attention).
@@ -232,15 +232,28 @@ def _invariant(axes, *arrays):
     return tuple(x + jnp.zeros((), x.dtype) for x in arrays) if axes else arrays
 
 
+def _unchecked(fn):
+    """``fn`` run with 64-bit types and shard_map's checks off, set again inside: an eager ``shard_map``
+    (no jit) runs the body of a custom JVP or VJP (:func:`first_order_only`'s, splash's own) with
+    its checks on again, where splash's ``pallas_call`` raised "`manual_axis_type` on
+    `jax.ShapeDtypeStruct` must not be None" (JAX 0.7: "`vma` ...")."""
+
+    def unchecked(*args):
+        with x64(False), vma_checks_off():
+            return fn(*args)
+
+    return unchecked
+
+
 def _first_order_vjp(fn, q, k, v, segments, sinks):
-    return first_order_only(
-        lambda q, k, v, segments, sinks: jax.vjp(lambda q, k, v, sinks: fn(q, k, v, segments, sinks),
-                                                 q, k, v, sinks),
-        SECOND_DERIVATIVE)(q, k, v, segments, sinks)
+    def vjp(q, k, v, segments, sinks):
+        return jax.vjp(_unchecked(lambda q, k, v, sinks: fn(q, k, v, segments, sinks)), q, k, v, sinks)
+
+    return first_order_only(_unchecked(vjp), SECOND_DERIVATIVE)(q, k, v, segments, sinks)
 
 
 def _first_order(vjp, d_out):
-    return first_order_only(lambda vjp, d_out: vjp(d_out), SECOND_DERIVATIVE)(vjp, d_out)
+    return first_order_only(_unchecked(lambda vjp, d_out: vjp(d_out)), SECOND_DERIVATIVE)(vjp, d_out)
 
 
 def splash_supports(spec, backend: str | None = None) -> str | None:
