@@ -170,7 +170,7 @@ LAYERS = [
 # Inside a package whose files ARCHITECTURE.md orders, the same two rules, file by file.
 INSIDE = {
     "tpuattn.pallas": [("compat",), ("layout",), ("blocks",), ("plan",), ("forward", "backward"), ("vjp",)],
-    "tpuattn.puzzles": [("core",), ("forward", "backward")],
+    "tpuattn.puzzles": [("core",), ("forward", "backward", "capstones")],
 }
 
 

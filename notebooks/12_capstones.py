@@ -1,0 +1,281 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 12 · Capstones: write the whole kernel
+#
+# The puzzles of notebooks 08 and 09 each gave you all of a kernel but one piece. Here nothing is
+# given but the spec and the check. This notebook asks: **can you write a whole attention kernel, its
+# `pallas_call` included (the grid, the BlockSpecs, the scratch, the dimension semantics, the
+# schedule)?**
+#
+# **What you'll do**
+# - F: write a causal GQA flash-attention forward with its logsumexp, on a block-skip schedule you
+#   build yourself (a scalar-prefetch table of the K/V blocks each query block visits), checked in
+#   float32 and in bfloat16.
+#
+# Each capstone has a spec, a picture, a stub that raises `NotImplementedError`, a check, three hidden
+# hints of rising detail, and a hidden solution. Try before you open a hint. A capstone takes a
+# workshop 30 to 60 minutes.
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/12_capstones.ipynb)
+
+# %%
+# On Colab, install the package at the version this notebook belongs to (main); elsewhere this does
+# nothing. Colab's image has everything else the notebooks import, at versions the package supports,
+# so pip adds the package alone. (Written by ci/install_cell.py from pyproject.toml.)
+import subprocess
+import sys
+
+TPUATTN = "tpuattn @ git+https://github.com/tpuattn/tpuattn@main"
+if "google.colab" in sys.modules:
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", TPUATTN],
+                            capture_output=True, text=True)
+    print(result.stdout + result.stderr)  # pip's own messages, its errors included
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"pip could not install {TPUATTN!r} (exit {result.returncode}; its messages are above). "
+            "If github.com is not reachable from this runtime, build a wheel from a clone elsewhere "
+            "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
+
+# %% tags=["nbval-ignore-output"]
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tpuattn.measure import runtime
+from tpuattn.puzzles import capstones as puzzles
+from tpuattn.puzzles import check, draw_grid
+from tpuattn.puzzles.capstones import pallas_call
+from tpuattn.viz import style
+
+PLATFORM = runtime.info()
+print(PLATFORM.summary())
+
+# %% tags=["parameters"]
+CHIP = "v5e"  # the chip every check compiles for (compile-only: no TPU needed)
+
+# %%
+style.use_style()
+FETCH, RESIDENT = style.STEP_COLOURS["fetch"], style.STEP_COLOURS["resident"]
+EMPTY, PARTIAL, FULL = (style.TILE_COLOURS[code] for code in (0, 1, 2))  # skipped, masked, whole
+BLOCK, SCALE = puzzles.BLOCK, puzzles.SCALE  # 128 rows a block; 1/sqrt(128)
+
+
+def panels(n=1, width=3.4, height=2.8):
+    """A row of ``n`` small panels for a capstone's picture."""
+    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
+    return fig, axes[0]
+
+
+def causal_colour(row_block, col_block):
+    """A tile's colour: on the diagonal masked, below it whole, above it hidden (skipped)."""
+    return PARTIAL if col_block == row_block else FULL if col_block < row_block else EMPTY
+
+
+def qk(a, b):
+    """a bᵀ without a transpose, in float32 (contract the last dimensions)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def tn(a, b):
+    """aᵀ b without a transpose, in float32 (contract the first dimensions)."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+# %% [markdown]
+# ## How a capstone is checked
+#
+# Your answer is a function that builds its `pallas_call`s and calls them, passing its `interpret=`
+# argument through to each. Build them with `pallas_call` from `tpuattn.puzzles.capstones` (imported
+# above): `pl.pallas_call` with the same arguments plus `in_names=` (the inputs after any
+# scalar-prefetch operands) and `out_names=`, so the check can walk your index maps and name your
+# operands. `check(...)` then
+#
+# 1. runs your function in interpret mode on the CPU against a float64 NumPy oracle written from the
+#    formulas, and again with your scratch set to NaN wherever a `"parallel"` axis moves on, as a
+#    megacore chip's two cores would run it;
+# 2. audits what values cannot show: every index map walked over the whole grid (a block outside its
+#    array; a tile the causal mask hides, copied for nothing; more copies than tiles), and the
+#    launches the capstone asks for;
+# 3. compiles your function for a TPU v5e with the real TPU compiler (compiled, not run),
+#
+# and prints one line: `PASS`, `not written yet`, the first mismatch, a race, an audit's sentence or
+# the compiler's message.
+#
+# A habit the compiler asks for: divide a grid index with `jax.lax.div(h, 2)`, not `h // 2`:
+# Python's floor division lowers through `sign`, which the compile-only TPU compiler cannot lower
+# ("Unsupported TPU device kind: cpu").
+
+# %% [markdown]
+# ## Capstone F · a causal GQA flash forward on your own schedule (★★★, 45 min)
+#
+# `q` is `[4, 512, 128]` (four query heads), `k` and `v` are `[2, 512, 128]` (two kv heads: query
+# head `h` uses kv head `h // 2`), float32. Write `flash_forward(q, k, v, *, interpret)` that returns
+# `out` (like `q`) and `lse` `[4, 512, 1]` float32, the natural-log logsumexp of each row's scores
+# `s = q·k / √128`, causal (query `r` sees key `c` iff `c ≤ r`), in blocks of 128 rows.
+#
+# All of it is yours: the grid, the BlockSpecs and index maps, the scratch, the dimension semantics,
+# and the schedule, a NumPy table you build and pass by scalar prefetch
+# (`pltpu.PrefetchScalarGridSpec`): for each query block, the K/V blocks it visits. The check asks
+# that no step names a tile the mask hides and that no array is copied more often than once per
+# visible tile. The same function is checked again with bfloat16 inputs of 256 rows (`out` then
+# bfloat16, `lse` still float32).
+
+# %%
+n = puzzles.SEQ // BLOCK
+fig, axes = panels(2)
+draw_grid(axes[0], n, n, labels={(i, j): f"j={j}" for i in range(n) for j in range(i + 1)},
+          colours={(i, j): causal_colour(i, j) for i in range(n) for j in range(n)},
+          title="one head's tiles: visited at step j", xlabel="K/V block", ylabel="query block")
+draw_grid(axes[1], n, n, labels={(i, j): str(min(j, i)) for i in range(n) for j in range(n)},
+          colours={(i, j): FETCH if j <= i else RESIDENT for i in range(n) for j in range(n)},
+          title="the table: K/V block at (i, j)", xlabel="grid step j", ylabel="query block i")
+fig.suptitle("10 of 16 tiles visible; a row past its count repeats its last block: no copy", fontsize=9,
+             y=1.02)
+plt.show()
+
+
+# %% tags=["puzzle"]
+def flash_forward(q, k, v, *, interpret):
+    raise NotImplementedError("build the schedule table, then the whole pallas_call; return out, lse")
+
+
+# %%
+check(puzzles.FORWARD, flash_forward, chip=CHIP)
+check(puzzles.FORWARD_BF16, flash_forward, chip=CHIP)
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 1 of 3: the shape of the launch.** Grid `(heads, query blocks, schedule steps)` = `(4, 4, 4)`:
+# the first two axes own an output block (`"parallel"`), the last reduces into scratch
+# (`"arbitrary"`). The table: `table[i, j]` is the K/V block query block `i` visits at step `j`,
+# `counts[i]` how many it visits. Index maps receive the grid indices, then the scalar-prefetch refs:
+# `lambda h, i, j, table, counts: ...`. The K/V map names kv head `jax.lax.div(h, 2)` and block
+# `table[i, j]`.
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 2 of 3: blocks, scratch and body.** BlockSpecs `(None, 128, 128)` for `q`, `k`, `v`, `out`
+# (`None` squeezes the head dimension away) and `(None, 128, 1)` for `lse`; scratch `m`, `l`
+# `(128, 1)` and `acc` `(128, 128)`, float32. The kernel's arguments: the two tables, `q`, `k`, `v`,
+# `out`, `lse`, then the scratch. At `j == 0` set `m = -inf`, `l = 0`, `acc = 0`; when `j < counts[i]`
+# take one online-softmax step, masking with the global row `i·128 + r` and column `table[i, j]·128 + c`;
+# at the last `j` write `out = acc / l` and `lse = m + log l` (without `m` it is the log of a sum of
+# `exp(s - m)`, not of `exp(s)`). Pad each row of the table with its last block, so the padded steps
+# name the block the step before them named and the pipeline copies nothing.
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 3 of 3: the launch, nearly whole.**
+#
+# ```python
+# n = seq // BLOCK
+# table = np.stack([np.minimum(np.arange(n), i) for i in range(n)]).astype(np.int32)
+# counts = np.arange(1, n + 1, dtype=np.int32)
+# q_spec = pl.BlockSpec((None, BLOCK, d), lambda h, i, j, table, counts: (h, i, 0))
+# kv_spec = pl.BlockSpec((None, BLOCK, d),
+#                        lambda h, i, j, table, counts: (jax.lax.div(h, group), table[i, j], 0))
+# grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(heads, n, n),
+#                                          in_specs=[q_spec, kv_spec, kv_spec],
+#                                          out_specs=[q_spec, lse_spec], scratch_shapes=[...])
+# return pallas_call(kernel, grid_spec=grid_spec, out_shape=[...], compiler_params=pltpu.CompilerParams(
+#     dimension_semantics=("parallel", "parallel", "arbitrary")), interpret=interpret,
+#     in_names=("q", "k", "v"), out_names=("out", "lse"))(jnp.asarray(table), jnp.asarray(counts), q, k, v)
+# ```
+
+
+# %% jupyter={"source_hidden": true} tags=["solution", "hide-cell"]
+def causal_schedule(seq, block):
+    """(table [n, n], counts [n]): query block i visits K/V blocks 0..i, padded with block i."""
+    n = seq // block
+    table = np.stack([np.minimum(np.arange(n), i) for i in range(n)]).astype(np.int32)
+    return table, np.arange(1, n + 1, dtype=np.int32)
+
+
+def forward_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref):
+    i, j = pl.program_id(1), pl.program_id(2)
+    kv = table_ref[i, j]  # the K/V block this step holds
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(j < counts_ref[i])
+    def _step():
+        s = qk(q_ref[...], k_ref[...]) * SCALE
+        rows = i * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+        cols = kv * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(cols <= rows, s, -jnp.inf)  # only the diagonal tile masks anything
+        m_old = m_ref[...]
+        m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)
+        alpha = jnp.exp(m_old - m_new)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v_ref.dtype), v_ref[...],
+                                                      preferred_element_type=jnp.float32)
+        m_ref[...] = m_new
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _finish():
+        o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+        lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
+
+
+def flash_forward(q, k, v, *, interpret):
+    heads, seq, d = q.shape
+    group = heads // k.shape[0]
+    table, counts = causal_schedule(seq, BLOCK)
+    q_spec = pl.BlockSpec((None, BLOCK, d), lambda h, i, j, table, counts: (h, i, 0))
+    kv_spec = pl.BlockSpec((None, BLOCK, d),
+                           lambda h, i, j, table, counts: (jax.lax.div(h, group), table[i, j], 0))
+    lse_spec = pl.BlockSpec((None, BLOCK, 1), lambda h, i, j, table, counts: (h, i, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(heads, seq // BLOCK, table.shape[1]),
+        in_specs=[q_spec, kv_spec, kv_spec], out_specs=[q_spec, lse_spec],
+        scratch_shapes=[pltpu.VMEM((BLOCK, 1), jnp.float32), pltpu.VMEM((BLOCK, 1), jnp.float32),
+                        pltpu.VMEM((BLOCK, d), jnp.float32)])
+    return pallas_call(
+        forward_kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((heads, seq, 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret, in_names=("q", "k", "v"), out_names=("out", "lse"),
+    )(jnp.asarray(table), jnp.asarray(counts), q, k, v)
+
+
+check(puzzles.FORWARD, flash_forward, chip=CHIP)
+check(puzzles.FORWARD_BF16, flash_forward, chip=CHIP)
+print("the schedule table:\n", causal_schedule(puzzles.SEQ, BLOCK)[0])
+
+# %% [markdown]
+# ## Takeaways
+#
+# > **Takeaway.** A `pallas_call` is five decisions: the grid (which axes own an output block, which
+# > reduce), the BlockSpecs (what each step sees, and so what it copies), the scratch (what lives
+# > across steps), the dimension semantics (what a megacore chip may split), and the scalar-prefetch
+# > tables (a schedule as data, read by the index maps before the step runs).
+#
+# ## References
+#
+# - S. Rush, Triton-Puzzles, https://github.com/srush/Triton-Puzzles (the last chapter: the whole
+#   flash-attention kernel); A. Vorushin, Pallas puzzles, https://github.com/vorushin/pallas_puzzles
+#   ("configure your own pallas_call").
+# - JAX documentation: Pallas TPU pipelining https://docs.jax.dev/en/latest/pallas/tpu/pipelining.html,
+#   scalar prefetch and block-sparse kernels https://docs.jax.dev/en/latest/pallas/tpu/sparse.html.
+# - T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023,
+#   arXiv:2307.08691 (the forward's logsumexp).

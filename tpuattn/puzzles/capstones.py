@@ -1,0 +1,318 @@
+"""Capstones: the learner writes a whole kernel, its ``pallas_call`` included (Triton-Puzzles' last
+chapter; vorushin's Pallas puzzles' "configure your own pallas_call").
+
+F. a causal GQA flash-attention forward with its logsumexp, on a block-skip schedule the learner builds
+   (a scalar-prefetch table of the K/V blocks each query block visits); float32, and again in bfloat16.
+
+An answer is a function that builds and calls its ``pallas_call`` s (``interpret=`` passed through).
+It calls :func:`pallas_call` here: ``pl.pallas_call`` with the operands' names, which shows the check
+its grid, BlockSpecs and scalar-prefetch tables (through :func:`tpuattn.puzzles.core.pallas_call`, so
+the harness's own audits apply too). :func:`tpuattn.puzzles.core.check` runs it in interpret mode
+against a float64 NumPy oracle written here from the formulas (nothing of ``tpuattn``'s kernels), then
+audits what the values cannot show (the blocks each launch names), then compiles it for a TPU chip.
+Importing this module registers the capstones in :data:`tpuattn.puzzles.core.REGISTRY`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+
+from tpuattn.puzzles import core
+from tpuattn.puzzles.core import Puzzle, register
+
+# ---------------------------------------------------------------------------------------------------
+# Shapes: small for interpret mode, tile-legal for the v5e compile.
+
+HEAD_DIM = 128
+SCALE = 1.0 / np.sqrt(HEAD_DIM)
+HEADS, KV_HEADS = 4, 2                 # F: query heads h = 0..3 use kv head h // GROUP
+GROUP = HEADS // KV_HEADS
+SEQ, BLOCK = 512, 128                  # F: 4 query blocks and 4 K/V blocks per head
+BF16_SEQ = 256                         # F in bfloat16
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _normal(rng, shape, scale: float = 1.0) -> np.ndarray:
+    return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _bf16(array: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(array, jnp.bfloat16))
+
+
+def _f64(*arrays):
+    return tuple(np.asarray(a, np.float64) for a in arrays)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The float64 oracle, from the formula: S = Q Kᵀ · scale, masked causally; lse = log Σ exp S (natural
+# log, per row); P = exp(S - lse); O = P V.
+
+def causal_visible(seq: int) -> np.ndarray:
+    """``[seq, seq]`` bool: query ``r`` sees key ``c`` iff ``c <= r``."""
+    return np.arange(seq)[None, :] <= np.arange(seq)[:, None]
+
+
+def _head_probabilities(q, k, visible):
+    s = np.where(visible, q @ k.T * SCALE, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    lse = m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True))
+    return np.exp(s - lse), lse
+
+
+def attention64(q, k, v):
+    """``(out [H, S, D], lse [H, S, 1])`` of causal GQA attention in float64: query head ``h`` attends
+    with kv head ``h // (H / KV_H)``."""
+    q, k, v = _f64(q, k, v)
+    heads, seq, _ = q.shape
+    group = heads // k.shape[0]
+    visible = causal_visible(seq)
+    out, lse = np.empty_like(q), np.empty((heads, seq, 1))
+    for h in range(heads):
+        p, lse[h] = _head_probabilities(q[h], k[h // group], visible)
+        out[h] = p @ v[h // group]
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a check sees of an answer's launches: each pallas_call made through pallas_call() below while a
+# check runs the answer in interpret mode.
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One ``pallas_call`` an answer made: its grid, the BlockSpecs and shapes of its named inputs and
+    outputs (a spec is ``None`` for an operand without an index map: the whole array, or memory the
+    kernel copies itself), its scalar-prefetch values (NumPy; ``None`` where they were traced), its
+    dimension semantics (``"arbitrary"`` where none were given), its outputs' names and the shapes of its
+    scratch buffers."""
+
+    grid: tuple[int, ...]
+    specs: dict
+    shapes: dict
+    prefetch: tuple | None
+    semantics: tuple[str, ...]
+    out_names: tuple[str, ...] = ()
+    scratch: tuple[tuple[int, ...], ...] = ()
+
+
+_CALLS: list[Call] | None = None  # the launches of the answer being checked; None outside a check
+
+
+def pallas_call(kernel, *, in_names: tuple[str, ...] = (), out_names: tuple[str, ...] = (), **kwargs):
+    """``pl.pallas_call(kernel, **kwargs)`` for a capstone: the same arguments, plus the names of the
+    inputs (after any scalar-prefetch operands) and of the outputs, so that the check can walk each
+    operand's index map over the grid and name it in its messages."""
+    launch = core.pallas_call(kernel, in_names=in_names, out_names=out_names, **kwargs)
+
+    def run(*args):
+        if _CALLS is not None:
+            _CALLS.append(_describe(kwargs, args, in_names, out_names))
+        return launch(*args)
+    return run
+
+
+def _describe(kwargs: dict, args: tuple, in_names, out_names) -> Call:
+    grid_spec = kwargs.get("grid_spec")
+
+    def get(name, default=None):
+        return kwargs.get(name, default) if grid_spec is None else getattr(grid_spec, name, default)
+
+    grid = tuple(int(n) for n in (get("grid", ()) or ()))
+    num_prefetch = int(get("num_scalar_prefetch", 0) or 0)
+    out_shapes = kwargs["out_shape"]
+    out_shapes = list(out_shapes) if isinstance(out_shapes, (tuple, list)) else [out_shapes]
+    in_specs = get("in_specs")
+    in_specs = list(in_specs) if isinstance(in_specs, (tuple, list)) else []
+    out_specs = get("out_specs")
+    out_specs = list(out_specs) if isinstance(out_specs, (tuple, list)) else [out_specs] * len(out_shapes)
+    specs, shapes = {}, {}
+    for name, spec, array in itertools.chain(zip(in_names, in_specs, args[num_prefetch:], strict=False),
+                                             zip(out_names, out_specs, out_shapes, strict=False)):
+        has_map = getattr(spec, "block_shape", None) is not None and getattr(spec, "index_map", None)
+        specs[name] = spec if has_map else None
+        shapes[name] = tuple(np.shape(array))
+    try:
+        prefetch = tuple(np.asarray(a) for a in args[:num_prefetch])
+    except Exception:  # noqa: BLE001 - traced (a jitted answer): the index maps cannot be walked
+        prefetch = None
+    params = kwargs.get("compiler_params")
+    semantics = getattr(params, "dimension_semantics", None)
+    semantics = tuple(str(s).lower() for s in semantics) if semantics else ("arbitrary",) * len(grid)
+    scratch = get("scratch_shapes", ()) or ()
+    scratch = tuple(tuple(getattr(buffer, "shape", ()) or ()) for buffer in scratch)
+    return Call(grid, specs, shapes, prefetch, semantics, tuple(out_names), scratch)
+
+
+@contextlib.contextmanager
+def _recording():
+    global _CALLS
+    outer, _CALLS = _CALLS, []
+    try:
+        yield _CALLS
+    finally:
+        _CALLS = outer
+
+
+# The launches of the last interpret-mode run of each capstone, for its audit (check runs the values
+# first, then the audit, in one process and in order).
+_LAST: dict[str, list[Call]] = {}
+
+
+def _builder(name: str, wrap):
+    """A puzzle's ``build``: ``wrap(answer, interpret)`` -> ``fn(*inputs)``, with the launches of every
+    interpret-mode run recorded under ``name`` for the audit."""
+    def build(answer, *, interpret):
+        fn = wrap(answer, interpret)
+        if interpret is False:
+            return fn
+
+        def recorded(*inputs):
+            with _recording() as calls:
+                result = fn(*inputs)
+            _LAST[name] = calls
+            return result
+        return recorded
+    return build
+
+
+def _walk(spec, grid, prefetch):
+    """``[(step, block)]``: the spec's index map at every grid step, in the pipeline's order (the last
+    axis fastest), evaluated on the host with the NumPy scalar-prefetch tables."""
+    walk = []
+    for step in itertools.product(*(range(n) for n in grid)):
+        block = spec.index_map(*step, *prefetch)
+        block = block if isinstance(block, (tuple, list)) else (block,)
+        walk.append((step, tuple(int(b) for b in block)))
+    return walk
+
+
+def _fetches(walk) -> int:
+    """How many steps of ``walk`` name a block other than the previous step's (each starts a copy)."""
+    return sum(1 for n, (_, block) in enumerate(walk) if n == 0 or block != walk[n - 1][1])
+
+
+def _tiles_seen(call: Call, block_q: int, block_kv: int, group: int) -> str | None:
+    """``None`` if at every grid step of ``call`` the q and k index maps name a query block and a K/V
+    block that the causal mask lets meet, the K/V block of the query head's own kv head; else a sentence
+    on the first step that does not. Index maps return ``(head, block, 0)``."""
+    q_walk = _walk(call.specs["q"], call.grid, call.prefetch)
+    kv_walk = _walk(call.specs["k"], call.grid, call.prefetch)
+    for (step, (h, i, *_)), (_, (g, j, *_)) in zip(q_walk, kv_walk, strict=True):
+        if g != h // group:
+            return (f"at grid step {step} of {_label(call)} the k index map names kv head {g} for query "
+                    f"head {h}, which uses kv head {h // group}")
+        if j * block_kv > i * block_q + block_q - 1:
+            return (f"at grid step {step} of {_label(call)} the q and k index maps name query block {i} "
+                    f"and K/V block {j}, which the causal mask keeps apart: a copy for nothing (name only "
+                    "the tiles of the schedule; where a row of it ends, repeat its last block)")
+    return None
+
+
+def _label(call: Call) -> str:
+    return f"the launch that writes {', '.join(call.out_names)}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# F. the forward: out, lse = flash_forward(q, k, v, interpret=...) with q [HEADS, seq, HEAD_DIM],
+# k, v [KV_HEADS, seq, HEAD_DIM], out like q, lse [HEADS, seq, 1] float32; causal; blocks of BLOCK.
+
+def visible_tiles(seq: int = SEQ, block: int = BLOCK) -> int:
+    """The (query block, K/V block) tiles of one head that the causal mask leaves visible."""
+    n = seq // block
+    return n * (n + 1) // 2
+
+
+def _forward_wrap(answer, interpret):
+    def fn(q, k, v):
+        out, lse = answer(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), interpret=interpret)
+        return out, lse
+    return fn
+
+
+def _audit_launches(name: str, seq: int, required: tuple[str, ...], optional: tuple[str, ...] = (), *,
+                    table: bool = False):
+    """The audit of a flash capstone. The answer made a launch writing each output named in ``required``
+    (and may have made one writing each of ``optional``). In each of those launches the q and k index
+    maps name only tiles the causal mask leaves visible, with the query head's own kv head, and no
+    operand among q, k, v is copied more often than once per visible tile and query head; ``table``:
+    each launch takes a scalar-prefetch schedule."""
+    def audit(answer):
+        calls = _LAST.get(name, [])
+        if not calls:
+            return ("the check saw no launch: build each kernel with capstones.pallas_call (pl.pallas_call "
+                    "that also names its operands, so the check can walk the index maps)")
+        for output in required + optional:
+            call = next((c for c in calls if output in c.out_names), None)
+            if call is None and output in optional:
+                continue
+            if call is None:
+                return (f"the check saw no launch with an output named {output!r} (out_names= of "
+                        "capstones.pallas_call)")
+            found = _audit_flash_launch(call, seq, table)
+            if found is not None:
+                return found
+        return None
+    return audit
+
+
+def _audit_flash_launch(call: Call, seq: int, table: bool) -> str | None:
+    missing = [n for n in ("q", "k", "v") if call.specs.get(n) is None]
+    if missing:
+        return (f"{_label(call)} has no BlockSpec with an index map for an input named {missing[0]!r} "
+                "(in_names= of capstones.pallas_call)")
+    if call.prefetch is None:
+        return (f"{_label(call)} took traced scalar-prefetch tables (a jitted answer): the check cannot "
+                "walk its index maps; leave the jit to the check")
+    if table and not call.prefetch:
+        return (f"{_label(call)} has no scalar-prefetch operand: the capstone asks for the schedule as a "
+                "table in SMEM (pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=...))")
+    found = _tiles_seen(call, BLOCK, BLOCK, GROUP)
+    if found is not None:
+        return found
+    enough = HEADS * visible_tiles(seq)
+    for operand in ("q", "k", "v"):
+        copies = _fetches(_walk(call.specs[operand], call.grid, call.prefetch))
+        if copies > enough:
+            return (f"in {_label(call)} the {operand} index map starts {copies} copies; {enough} are "
+                    "enough (one per visible tile and query head): a step that names the block the step "
+                    "before it named copies nothing")
+    return None
+
+
+def _forward_inputs(seed: int, seq: int, dtype):
+    rng = _rng(seed)
+    arrays = (_normal(rng, (HEADS, seq, HEAD_DIM)), _normal(rng, (KV_HEADS, seq, HEAD_DIM)),
+              _normal(rng, (KV_HEADS, seq, HEAD_DIM)))
+    return arrays if dtype == "float32" else tuple(_bf16(a) for a in arrays)
+
+
+FORWARD_NAME = "F. capstone: causal GQA flash forward"
+FORWARD_BF16_NAME = "F. capstone: causal GQA flash forward, bfloat16"
+
+FORWARD = register(Puzzle(
+    FORWARD_NAME, _builder(FORWARD_NAME, _forward_wrap), lambda: _forward_inputs(21, SEQ, "float32"),
+    attention64, rtol=1e-4, atol=1e-5, audit=_audit_launches(FORWARD_NAME, SEQ, ("out",), table=True),
+    outputs=("out", "lse")))
+
+# bfloat16 inputs and output: the output's own rounding is 2**-9 relative, and P rounded to bfloat16
+# for the P V matmul adds as much again; the logsumexp stays float32.
+FORWARD_BF16 = register(Puzzle(
+    FORWARD_BF16_NAME, _builder(FORWARD_BF16_NAME, _forward_wrap),
+    lambda: _forward_inputs(22, BF16_SEQ, "bfloat16"), attention64, rtol=2e-2, atol=2e-2,
+    audit=_audit_launches(FORWARD_BF16_NAME, BF16_SEQ, ("out",), table=True),
+    outputs=("out", "lse")))
+
+
+PUZZLES = (FORWARD, FORWARD_BF16)
+
+__all__ = ["BF16_SEQ", "BLOCK", "Call", "GROUP", "HEADS", "HEAD_DIM", "KV_HEADS", "PUZZLES", "SCALE",
+           "SEQ", "attention64", "causal_visible", "pallas_call", "visible_tiles"] + [
+    "FORWARD", "FORWARD_BF16"]
