@@ -21,13 +21,24 @@ checkout clean.
 are merged into the ``.ipynb`` (``jupytext --update`` keeps cell ids), executed, cleaned of
 papermill's traces (the ``injected-parameters`` cell, papermill/timing metadata, widget state, the
 CI kernel name), written back, and the ``.py`` twin is regenerated from it so the pair is in sync.
+Before the timing metadata goes, the seconds the notebook's code cells took are summed per section
+(level-2 heading; ``""`` for the cells before the first) into ``notebooks/run_seconds.json``, with
+the machine and JAX that ran them: the workshop plan's measured run times (tests/test_workshop.py).
+
+Hidden solution cells run only when their notebook's ``RUN_SOLUTIONS`` parameter is true, which is
+``TPUATTN_RUN_SOLUTIONS=1`` in the environment unless papermill's ``-p`` says otherwise: a learner's
+Run All shows only the learner's own results. This command sets ``TPUATTN_RUN_SOLUTIONS=1`` for its
+kernels unless the caller set it, so the committed outputs (and nbval, which the test command runs
+with it) include the solutions' checks.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -97,6 +108,41 @@ def clean(nb) -> None:
                 output.get("metadata", {}).pop("papermill", None)
 
 
+SECONDS = NOTEBOOKS / "run_seconds.json"  # seconds per notebook section in the committed runs
+
+
+def section_seconds(nb) -> dict[str, float]:
+    """Seconds of the executed notebook's code cells (papermill's timing) per level-2 heading, ``""``
+    for the cells before the first heading, every heading listed (0.0 where no code ran)."""
+    seconds, current = {"": 0.0}, ""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("## "):
+                    current = line[3:].strip()
+                    seconds.setdefault(current, 0.0)
+        elif cell.cell_type == "code":
+            seconds[current] += float(cell.metadata.get("papermill", {}).get("duration") or 0.0)
+    return {heading: round(value, 1) for heading, value in seconds.items()}
+
+
+def record_seconds(stem: str, nb) -> None:
+    """Write ``stem``'s seconds per section into :data:`SECONDS` (the other notebooks' entries kept)."""
+    from importlib.metadata import version
+
+    table = json.loads(SECONDS.read_text()) if SECONDS.exists() else {}
+    table["about"] = ("Seconds each notebook's code cells took, per level-2 section ('' = before the "
+                      "first), in the run that made its committed outputs (python3 ci/notebooks.py "
+                      "--update); tests/test_workshop.py adds them to the workshop plan's slots.")
+    sections = section_seconds(nb)
+    table.setdefault("notebooks", {})[stem] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (os.cpu_count), JAX_PLATFORMS="
+                   f"{os.environ.get('JAX_PLATFORMS', '')}",
+        "jax": version("jax"), "total_s": round(sum(sections.values()), 1), "sections": sections}
+    table["notebooks"] = dict(sorted(table["notebooks"].items()))
+    SECONDS.write_text(json.dumps(table, indent=1, ensure_ascii=False) + "\n")
+
+
 def describe_failure(error, source_nb) -> str:
     """'cell 7 (In [5]): <first line>' for a PapermillExecutionError, numbered as in the source notebook."""
     first_line = next((line for line in error.source.splitlines() if line.strip()), "")
@@ -154,6 +200,9 @@ def main() -> int:
     # caller chose a platform (JAX_PLATFORMS=tpu on a TPU machine).
     for name, value in _venv.CPU_WITH_TPU_COMPILER.items():
         os.environ.setdefault(name, value)
+    # The notebooks' hidden solution cells run (their RUN_SOLUTIONS parameter reads this): the
+    # committed outputs hold their checks, as nbval's run does.
+    os.environ.setdefault("TPUATTN_RUN_SOLUTIONS", "1")
     import nbformat
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
@@ -188,6 +237,7 @@ def main() -> int:
             print(f"[{n}/{len(stems)}] {stem}: {status} ({seconds:.1f} s)", flush=True)
             if status == "ok" and args.update:
                 nb = nbformat.read(output, as_version=4)
+                record_seconds(stem, nb)
                 clean(nb)
                 nbformat.write(nb, NOTEBOOKS / f"{stem}.ipynb")
                 jupytext("--to", "py:percent", str(NOTEBOOKS / f"{stem}.ipynb"))
