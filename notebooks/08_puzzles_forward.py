@@ -33,13 +33,11 @@
 # Each `check(...)` runs your answer in interpret mode on the CPU against a float64 NumPy answer,
 # then compiles it for a TPU v5e with the real TPU compiler (compiled, not run: no TPU is needed),
 # and prints one line: `PASS`, `not written yet`, the first mismatch, a race, a rule the values
-# cannot show, or the compiler's message. Interpret mode forgives two things a TPU does not: it clamps
-# a block index outside its array, and it runs the grid in order on one core. So `check` also walks
-# every index map over the whole grid (a block outside its array fails, naming the grid step and the
-# block), and runs the kernel as a megacore chip may: each index of a `"parallel"` grid axis starting
-# with nothing in its scratch. Replace each `raise NotImplementedError` with your code and run the
-# check. Every puzzle has a hidden solution cell after its check: try first. Each heading gives the
-# puzzle's difficulty (★☆☆ to ★★★) and the minutes it takes at a workshop.
+# cannot show (the section before the takeaways lists them), or the compiler's message. Replace each
+# `raise NotImplementedError` with your code and run the check. Each heading gives the puzzle's
+# difficulty (★☆☆ to ★★★) and its minutes at a workshop. A collapsed solution follows each check:
+# try first. Solutions run only with `RUN_SOLUTIONS = True` (parameters cell), so Run All shows your
+# own checks alone.
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/08_puzzles_forward.ipynb)
 
@@ -62,6 +60,8 @@ if "google.colab" in sys.modules:
             "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
 
 # %% tags=["nbval-ignore-output"]
+import os
+
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
@@ -79,6 +79,9 @@ print(PLATFORM.summary())
 
 # %% tags=["parameters"]
 CHIP = "v5e"  # the chip every check compiles for (compile-only: no TPU needed)
+# The hidden solution cells run only when this is True, so Run All shows your answers' checks alone.
+# The project's CI sets it (TPUATTN_RUN_SOLUTIONS=1): the committed outputs include the solutions'.
+RUN_SOLUTIONS = os.environ.get("TPUATTN_RUN_SOLUTIONS") == "1"
 
 # %%
 style.use_style()
@@ -120,12 +123,13 @@ def copy_kernel(x_ref, o_ref):
 passed = check(puzzles.COPY, copy_kernel, chip=CHIP)
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def copy_kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...]
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def copy_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
 
-
-passed = check(puzzles.COPY, copy_kernel, chip=CHIP)
+    passed = check(puzzles.COPY, copy_kernel, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 2 · bias add: the BlockSpecs (★☆☆, 5 min)
@@ -159,14 +163,15 @@ def add_specs():
 passed = check(puzzles.ADD, add_specs, chip=CHIP)
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def add_specs():
-    tile = pl.BlockSpec((8, 128), lambda i, j: (i, j))
-    bias_row = pl.BlockSpec((1, 128), lambda i, j: (0, j))  # every row block reads the same bias block
-    return tile, bias_row, tile
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def add_specs():
+        tile = pl.BlockSpec((8, 128), lambda i, j: (i, j))
+        bias_row = pl.BlockSpec((1, 128), lambda i, j: (0, j))  # every row block reads the same bias block
+        return tile, bias_row, tile
 
-
-passed = check(puzzles.ADD, add_specs, chip=CHIP)
+    passed = check(puzzles.ADD, add_specs, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 3 · matmul with a float32 accumulator (★★☆, 10 min)
@@ -206,22 +211,23 @@ def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
 passed = check(puzzles.MATMUL, matmul_kernel, chip=CHIP)
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
-    k = pl.program_id(2)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
+        k = pl.program_id(2)
 
-    @pl.when(k == 0)
-    def _init():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        @pl.when(k == 0)
+        def _init():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
 
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _write():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+        @pl.when(k == pl.num_programs(2) - 1)
+        def _write():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
-
-passed = check(puzzles.MATMUL, matmul_kernel, chip=CHIP)
+    passed = check(puzzles.MATMUL, matmul_kernel, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 4 · row softmax (★☆☆, 5 min)
@@ -249,14 +255,15 @@ def softmax_kernel(x_ref, o_ref):
 passed = check(puzzles.SOFTMAX, softmax_kernel, chip=CHIP)
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def softmax_kernel(x_ref, o_ref):
-    x = x_ref[...]
-    p = jnp.exp(x - x.max(axis=1, keepdims=True))
-    o_ref[...] = p / p.sum(axis=1, keepdims=True)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def softmax_kernel(x_ref, o_ref):
+        x = x_ref[...]
+        p = jnp.exp(x - x.max(axis=1, keepdims=True))
+        o_ref[...] = p / p.sum(axis=1, keepdims=True)
 
-
-passed = check(puzzles.SOFTMAX, softmax_kernel, chip=CHIP)
+    passed = check(puzzles.SOFTMAX, softmax_kernel, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 5 · the flash forward (online softmax) (★★★, 15 min)
@@ -290,32 +297,33 @@ def flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
 passed = check(puzzles.FLASH, flash_kernel, chip=CHIP)
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
-    j = pl.program_id(1)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
+        j = pl.program_id(1)
 
-    @pl.when(j == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        @pl.when(j == 0)
+        def _init():
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    s = jax.lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * puzzles.SCALE
-    m_old = m_ref[...]
-    m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
-    p = jnp.exp(s - m_new)
-    alpha = jnp.exp(m_old - m_new)
-    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
-    m_ref[...] = m_new
+        s = jax.lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * puzzles.SCALE
+        m_old = m_ref[...]
+        m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)
+        alpha = jnp.exp(m_old - m_new)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
+        m_ref[...] = m_new
 
-    @pl.when(j == pl.num_programs(1) - 1)
-    def _write():
-        o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+        @pl.when(j == pl.num_programs(1) - 1)
+        def _write():
+            o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
 
-
-passed = check(puzzles.FLASH, flash_kernel, chip=CHIP)
+    passed = check(puzzles.FLASH, flash_kernel, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 6 · causal skip: a clamped index map (★★☆, 10 min)
@@ -349,13 +357,14 @@ def kv_index_map(i, j):
 passed = check(puzzles.CAUSAL, kv_index_map, chip=CHIP)
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def kv_index_map(i, j):
-    return jnp.minimum(j, i), 0  # a hidden step (j > i) re-names block i: no new DMA
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def kv_index_map(i, j):
+        return jnp.minimum(j, i), 0  # a hidden step (j > i) re-names block i: no new DMA
 
-
-passed = check(puzzles.CAUSAL, kv_index_map, chip=CHIP)
-print("fetches, (step, block):", puzzles.fetched_blocks(kv_index_map, puzzles.CAUSAL_GRID))
+    passed = check(puzzles.CAUSAL, kv_index_map, chip=CHIP)
+    print("fetches, (step, block):", puzzles.fetched_blocks(kv_index_map, puzzles.CAUSAL_GRID))
 
 # %% [markdown]
 # ## Puzzle 6b · an attention sink in the running state (★☆☆, 5 min)
@@ -389,16 +398,17 @@ def init(m_ref, l_ref, acc_ref):
 passed = check(puzzles.SINK_PUZZLE, init, chip=CHIP)
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def init(m_ref, l_ref, acc_ref):
-    # Without a sink: m = -inf, l = 0, acc = 0. The sink is a part of the row already seen: its max is
-    # the sink's logit, its sum exp(z - z) = 1, and it adds nothing to the accumulator (no value).
-    m_ref[...] = jnp.full(m_ref.shape, puzzles.SINK, jnp.float32)
-    l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def init(m_ref, l_ref, acc_ref):
+        # Without a sink: m = -inf, l = 0, acc = 0. The sink is a part of the row already seen: its max is
+        # the sink's logit, its sum exp(z - z) = 1, and it adds nothing to the accumulator (no value).
+        m_ref[...] = jnp.full(m_ref.shape, puzzles.SINK, jnp.float32)
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-
-passed = check(puzzles.SINK_PUZZLE, init, chip=CHIP)
+    passed = check(puzzles.SINK_PUZZLE, init, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 7 · the scalar-prefetch schedule (★★★, 15 min)
@@ -442,13 +452,14 @@ def schedule_index_map(i, j, kv_blocks_ref, counts_ref):
 passed = check(puzzles.SCHEDULE, schedule_index_map, chip=CHIP)
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def schedule_index_map(i, j, kv_blocks_ref, counts_ref):
-    last = counts_ref[i] - 1
-    return kv_blocks_ref[i, jnp.minimum(j, last)], 0
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def schedule_index_map(i, j, kv_blocks_ref, counts_ref):
+        last = counts_ref[i] - 1
+        return kv_blocks_ref[i, jnp.minimum(j, last)], 0
 
-
-passed = check(puzzles.SCHEDULE, schedule_index_map, chip=CHIP)
+    passed = check(puzzles.SCHEDULE, schedule_index_map, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 8 · GQA folded into the rows: the BlockSpecs (★★☆, 10 min)
@@ -483,15 +494,16 @@ def gqa_specs():
 passed = check(puzzles.GQA, gqa_specs, chip=CHIP)
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def gqa_specs():
-    group, block_q, head_dim = puzzles.GQA_GROUP, puzzles.GQA_BLOCK_Q, puzzles.HEAD_DIM
-    q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i: (h, 0, i, 0))
-    kv_spec = pl.BlockSpec((None, puzzles.GQA_KV, head_dim), lambda h, i: (h, 0, 0))
-    return q_spec, kv_spec, q_spec
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def gqa_specs():
+        group, block_q, head_dim = puzzles.GQA_GROUP, puzzles.GQA_BLOCK_Q, puzzles.HEAD_DIM
+        q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i: (h, 0, i, 0))
+        kv_spec = pl.BlockSpec((None, puzzles.GQA_KV, head_dim), lambda h, i: (h, 0, 0))
+        return q_spec, kv_spec, q_spec
 
-
-passed = check(puzzles.GQA, gqa_specs, chip=CHIP)
+    passed = check(puzzles.GQA, gqa_specs, chip=CHIP)
 
 # %% [markdown]
 # ## Find the bug A · a race (★★☆, 10 min)
@@ -541,21 +553,22 @@ for label, mode in [("interpret=True", True),
     print(f"{label:24s} largest error {float(np.abs(np.asarray(doubled) - 2 * x).max()):.3g}")
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def double_kernel(x_hbm, o_ref, buf, sem):
-    first = pltpu.make_async_copy(x_hbm.at[pl.ds(0, ROWS)], buf.at[0], sem.at[0])
-    first.start()
-    first.wait()
-    # The bug: chunk 1 was copied into slot 0 while slot 0 was still being read. Use the other slot
-    # (and its own semaphore): double buffering.
-    second = pltpu.make_async_copy(x_hbm.at[pl.ds(ROWS, ROWS)], buf.at[1], sem.at[1])
-    second.start()
-    o_ref[pl.ds(0, ROWS), :] = 2 * buf[0]
-    second.wait()
-    o_ref[pl.ds(ROWS, ROWS), :] = 2 * buf[1]
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def double_kernel(x_hbm, o_ref, buf, sem):
+        first = pltpu.make_async_copy(x_hbm.at[pl.ds(0, ROWS)], buf.at[0], sem.at[0])
+        first.start()
+        first.wait()
+        # The bug: chunk 1 was copied into slot 0 while slot 0 was still being read. Use the other slot
+        # (and its own semaphore): double buffering.
+        second = pltpu.make_async_copy(x_hbm.at[pl.ds(ROWS, ROWS)], buf.at[1], sem.at[1])
+        second.start()
+        o_ref[pl.ds(0, ROWS), :] = 2 * buf[0]
+        second.wait()
+        o_ref[pl.ds(ROWS, ROWS), :] = 2 * buf[1]
 
-
-passed = check(puzzles.RACE, double_kernel, chip=CHIP)
+    passed = check(puzzles.RACE, double_kernel, chip=CHIP)
 
 # %% [markdown]
 # ## Find the bug B · the accumulator (★☆☆, 5 min)
@@ -578,27 +591,36 @@ def buggy_matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
 passed = check(puzzles.MATMUL_BUG, buggy_matmul_kernel, chip=CHIP)
 
 
-# %% jupyter={"source_hidden": true} tags=["solution"]
-def buggy_matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
-    @pl.when(pl.program_id(2) == 0)  # the missing line: every output block starts from zero
-    def _init():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def buggy_matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
+        @pl.when(pl.program_id(2) == 0)  # the missing line: every output block starts from zero
+        def _init():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
 
-    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
-    def _write():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+        @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+        def _write():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
-
-passed = check(puzzles.MATMUL_BUG, buggy_matmul_kernel, chip=CHIP)
+    passed = check(puzzles.MATMUL_BUG, buggy_matmul_kernel, chip=CHIP)
 
 # %% [markdown]
+# ## What `check` audits beyond the values
+#
+# Interpret mode forgives two things a TPU does not: it clamps a block index outside its array, and
+# it runs the grid in order on one core. So `check` also walks every index map over the whole grid (a
+# block outside its array fails, naming the grid step and the block), and runs the kernel as a
+# megacore chip may: each index of a `"parallel"` grid axis starting with nothing in its scratch.
+#
 # ## Takeaways
 #
 # > **Takeaway.** A Pallas TPU kernel is a body over VMEM blocks plus BlockSpecs that say which block
-# > each grid step gets; index maps return block indices, and block shapes follow the (8, 128) tile
-# > (bfloat16: (16, 128)) or the array's whole dimension.
+# > each grid step gets; index maps return block indices, and a block's last two dimensions are
+# > multiples of 8 and 128, or the array's whole dimensions, in every dtype. A bfloat16 block of 8
+# > rows compiles too, filling half of bfloat16's packed (16, 128) tile (notebooks 03 and 11 show it).
 #
 # > **Takeaway.** State that lives across grid steps (an accumulator, the online softmax's `m`, `l`,
 # > `acc`) sits in scratch on an `"arbitrary"` axis: initialise it at the first step, write at the last.

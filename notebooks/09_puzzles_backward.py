@@ -34,8 +34,9 @@
 # NumPy answer, then compiles it for a TPU v5e with the real TPU compiler (compiled, not run), and prints
 # one line: `PASS`, `not written yet`, the first mismatch (naming the output: `dQ`, `dK`, `dV`), a rule
 # the values cannot show (a block index outside its array, scratch carried across a `"parallel"` grid
-# axis, a copy the pipeline need not make), or the compiler's message. Each puzzle has a hidden
-# solution cell after its check: try first.
+# axis, a copy the pipeline need not make), or the compiler's message. Each puzzle has a collapsed
+# solution cell after its check: try first. As in notebook 08, solutions run only with
+# `RUN_SOLUTIONS = True` (parameters cell), so Run All shows your own answers' checks alone.
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/09_puzzles_backward.ipynb)
 
@@ -58,6 +59,8 @@ if "google.colab" in sys.modules:
             "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
 
 # %% tags=["nbval-ignore-output"]
+import os
+
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
@@ -74,6 +77,9 @@ print(PLATFORM.summary())
 
 # %% tags=["parameters"]
 CHIP = "v5e"  # the chip every check compiles for (compile-only: no TPU needed)
+# The hidden solution cells run only when this is True, so Run All shows your answers' checks alone.
+# The project's CI sets it (TPUATTN_RUN_SOLUTIONS=1): the committed outputs include the solutions'.
+RUN_SOLUTIONS = os.environ.get("TPUATTN_RUN_SOLUTIONS") == "1"
 
 # %%
 style.use_style()
@@ -151,25 +157,26 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref):
 check(puzzles.DQ, dq_kernel, chip=CHIP)
 
 
-# %% tags=["solution"]
-def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref):
-    j = pl.program_id(1)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref):
+        j = pl.program_id(1)
 
-    @pl.when(j == 0)
-    def _init():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        @pl.when(j == 0)
+        def _init():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    k = k_ref[...]
-    p = jnp.exp(qk(q_ref[...], k) * SCALE - lse_ref[...])  # (64, 128): this tile of P, recomputed
-    ds = p * (qk(do_ref[...], v_ref[...]) - delta_ref[...])
-    acc_ref[...] += jnp.dot(ds, k, preferred_element_type=jnp.float32) * SCALE
+        k = k_ref[...]
+        p = jnp.exp(qk(q_ref[...], k) * SCALE - lse_ref[...])  # (64, 128): this tile of P, recomputed
+        ds = p * (qk(do_ref[...], v_ref[...]) - delta_ref[...])
+        acc_ref[...] += jnp.dot(ds, k, preferred_element_type=jnp.float32) * SCALE
 
-    @pl.when(j == pl.num_programs(1) - 1)
-    def _write():
-        dq_ref[...] = acc_ref[...]
+        @pl.when(j == pl.num_programs(1) - 1)
+        def _write():
+            dq_ref[...] = acc_ref[...]
 
-
-check(puzzles.DQ, dq_kernel, chip=CHIP)
+    check(puzzles.DQ, dq_kernel, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 10 · the dK/dV kernel (★★☆, 15 min)
@@ -204,28 +211,29 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, 
 check(puzzles.DKV, dkv_kernel, chip=CHIP)
 
 
-# %% tags=["solution"]
-def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc):
-    i = pl.program_id(1)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc):
+        i = pl.program_id(1)
 
-    @pl.when(i == 0)
-    def _init():
-        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+        @pl.when(i == 0)
+        def _init():
+            dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+            dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    q, do = q_ref[...], do_ref[...]
-    p = jnp.exp(qk(q, k_ref[...]) * SCALE - lse_ref[...])
-    ds = p * (qk(do, v_ref[...]) - delta_ref[...])
-    dv_acc[...] += tn(p, do)
-    dk_acc[...] += tn(ds, q) * SCALE
+        q, do = q_ref[...], do_ref[...]
+        p = jnp.exp(qk(q, k_ref[...]) * SCALE - lse_ref[...])
+        ds = p * (qk(do, v_ref[...]) - delta_ref[...])
+        dv_acc[...] += tn(p, do)
+        dk_acc[...] += tn(ds, q) * SCALE
 
-    @pl.when(i == pl.num_programs(1) - 1)
-    def _write():
-        dk_ref[...] = dk_acc[...]
-        dv_ref[...] = dv_acc[...]
+        @pl.when(i == pl.num_programs(1) - 1)
+        def _write():
+            dk_ref[...] = dk_acc[...]
+            dv_ref[...] = dv_acc[...]
 
-
-check(puzzles.DKV, dkv_kernel, chip=CHIP)
+    check(puzzles.DKV, dkv_kernel, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 11 · softcap and a sliding window, inside a tile (★★★, 15 min)
@@ -273,36 +281,37 @@ def masked_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
 check(puzzles.MASKED, masked_kernel, chip=CHIP)
 
 
-# %% tags=["solution"]
-def masked_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
-    i, j = pl.program_id(0), pl.program_id(1)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def masked_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
+        i, j = pl.program_id(0), pl.program_id(1)
 
-    @pl.when(j == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        @pl.when(j == 0)
+        def _init():
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    s = qk(q_ref[...], k_ref[...]) * SCALE
-    s = puzzles.SOFTCAP * jnp.tanh(s / puzzles.SOFTCAP)  # the cap first, then the mask
-    rows = i * B + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-    cols = j * B + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    s = jnp.where((cols <= rows) & (cols > rows - puzzles.WINDOW), s, -jnp.inf)
-    m_old = m_ref[...]
-    m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet: p, alpha = 0
-    p = jnp.exp(s - m_safe)
-    alpha = jnp.exp(m_old - m_safe)
-    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
-    m_ref[...] = m_new
+        s = qk(q_ref[...], k_ref[...]) * SCALE
+        s = puzzles.SOFTCAP * jnp.tanh(s / puzzles.SOFTCAP)  # the cap first, then the mask
+        rows = i * B + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+        cols = j * B + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where((cols <= rows) & (cols > rows - puzzles.WINDOW), s, -jnp.inf)
+        m_old = m_ref[...]
+        m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet: p, alpha = 0
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m_old - m_safe)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
+        m_ref[...] = m_new
 
-    @pl.when(j == pl.num_programs(1) - 1)
-    def _write():
-        o_ref[...] = acc_ref[...] / l_ref[...]  # every row sees itself: l > 0
+        @pl.when(j == pl.num_programs(1) - 1)
+        def _write():
+            o_ref[...] = acc_ref[...] / l_ref[...]  # every row sees itself: l > 0
 
-
-check(puzzles.MASKED, masked_kernel, chip=CHIP)
+    check(puzzles.MASKED, masked_kernel, chip=CHIP)
 
 # %% [markdown]
 # ## Puzzle 12 · split-K decode over pages (★★★, 20 min)
@@ -364,23 +373,24 @@ def decode_parts():
 check(puzzles.DECODE, decode_parts, chip=CHIP)
 
 
-# %% tags=["solution"]
-def decode_parts():
-    def page_index_map(b, c, p, page_table_ref, lengths_ref):
-        last = jax.lax.div(lengths_ref[b] - 1, puzzles.PAGE_SIZE)  # the sequence's last page
-        return page_table_ref[b, jnp.minimum(c * puzzles.PAGES_PER_CHUNK + p, last)], 0, 0
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def decode_parts():
+        def page_index_map(b, c, p, page_table_ref, lengths_ref):
+            last = jax.lax.div(lengths_ref[b] - 1, puzzles.PAGE_SIZE)  # the sequence's last page
+            return page_table_ref[b, jnp.minimum(c * puzzles.PAGES_PER_CHUNK + p, last)], 0, 0
 
-    def merge(out, m, l):  # noqa: E741
-        weight = l * jnp.exp(m - m.max(axis=1, keepdims=True))  # an empty chunk: 0 * exp(-inf) = 0
-        return (weight * out).sum(axis=1) / weight.sum(axis=1)
+        def merge(out, m, l):  # noqa: E741
+            weight = l * jnp.exp(m - m.max(axis=1, keepdims=True))  # an empty chunk: 0 * exp(-inf) = 0
+            return (weight * out).sum(axis=1) / weight.sum(axis=1)
 
-    return page_index_map, merge
+        return page_index_map, merge
 
-
-check(puzzles.DECODE, decode_parts, chip=CHIP)
-index_map, _ = decode_parts()
-print("page fetches:", len(puzzles.fetches(index_map, puzzles.DECODE_GRID, table, lengths)),
-      "of", int(np.prod(puzzles.DECODE_GRID)), "grid steps")
+    check(puzzles.DECODE, decode_parts, chip=CHIP)
+    index_map, _ = decode_parts()
+    print("page fetches:", len(puzzles.fetches(index_map, puzzles.DECODE_GRID, table, lengths)),
+          "of", int(np.prod(puzzles.DECODE_GRID)), "grid steps")
 
 # %% [markdown]
 # ## Puzzle 13 · one causal ring step with `ppermute` (★★☆, 15 min)
@@ -432,20 +442,21 @@ def ring_step(q, k, v, out, m, l, kv_block):  # noqa: E741
 check(puzzles.RING, ring_step, chip=CHIP)
 
 
-# %% tags=["solution"]
-def ring_step(q, k, v, out, m, l, kv_block):  # noqa: E741
-    block_out, block_m, block_l = puzzles.block_partial(q, k, v, kv_block)
-    m_new = jnp.maximum(m, block_m)  # finite from step 0 on: the diagonal block shows every row a key
-    old, new = l * jnp.exp(m - m_new), block_l * jnp.exp(block_m - m_new)  # a hidden block weighs 0
-    out = (old * out + new * block_out) / (old + new)
-    # Device d holds block (d - s) mod N at step s, the block device d - 1 held at step s - 1: so every
-    # device receives from d - 1, that is, sends to d + 1.
-    perm = [(d, (d + 1) % N) for d in range(N)]
-    k, v = (jax.lax.ppermute(x, puzzles.RING_AXIS, perm) for x in (k, v))
-    return out, m_new, old + new, k, v
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def ring_step(q, k, v, out, m, l, kv_block):  # noqa: E741
+        block_out, block_m, block_l = puzzles.block_partial(q, k, v, kv_block)
+        m_new = jnp.maximum(m, block_m)  # finite from step 0 on: the diagonal block shows every row a key
+        old, new = l * jnp.exp(m - m_new), block_l * jnp.exp(block_m - m_new)  # a hidden block weighs 0
+        out = (old * out + new * block_out) / (old + new)
+        # Device d holds block (d - s) mod N at step s, the block device d - 1 held at step s - 1: so every
+        # device receives from d - 1, that is, sends to d + 1.
+        perm = [(d, (d + 1) % N) for d in range(N)]
+        k, v = (jax.lax.ppermute(x, puzzles.RING_AXIS, perm) for x in (k, v))
+        return out, m_new, old + new, k, v
 
-
-check(puzzles.RING, ring_step, chip=CHIP)
+    check(puzzles.RING, ring_step, chip=CHIP)
 
 # %% [markdown]
 # ## Find the bug C · fetching hidden blocks (★★☆, 10 min)
@@ -476,15 +487,16 @@ check(puzzles.CAUSAL_DKV, q_index_map, chip=CHIP)
 print("copies started by this map:", len(puzzles.fetches(q_index_map, puzzles.CAUSAL_GRID)))
 
 
-# %% tags=["solution"]
-def q_index_map(j, i):
-    # The bug: a hidden step (i < j) named query block i, so the pipeline copied it for nothing.
-    # Clamp to the first block K/V block j sees; the steps after it re-name it: no copy.
-    return jnp.maximum(i, j), 0
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def q_index_map(j, i):
+        # The bug: a hidden step (i < j) named query block i, so the pipeline copied it for nothing.
+        # Clamp to the first block K/V block j sees; the steps after it re-name it: no copy.
+        return jnp.maximum(i, j), 0
 
-
-check(puzzles.CAUSAL_DKV, q_index_map, chip=CHIP)
-print("copies started by this map:", len(puzzles.fetches(q_index_map, puzzles.CAUSAL_GRID)))
+    check(puzzles.CAUSAL_DKV, q_index_map, chip=CHIP)
+    print("copies started by this map:", len(puzzles.fetches(q_index_map, puzzles.CAUSAL_GRID)))
 
 # %% [markdown]
 # ## Find the bug D · a bfloat16 accumulator (★☆☆, 5 min)
@@ -519,26 +531,27 @@ print(f"sums from {exact.min():.0f} to {exact.max():.0f}; "
 print(f"largest relative error of this kernel: {np.abs(got / exact - 1).max():.2%}")
 
 
-# %% tags=["solution"]
-def bf16_kernel(x_ref, y_ref, o_ref, acc_ref):
-    # The bug: the running sum lived in the bfloat16 output, rounded to 8 significant bits at each of
-    # the 32 steps. Keep it in the float32 scratch and round once, at the end.
-    k = pl.program_id(0)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def bf16_kernel(x_ref, y_ref, o_ref, acc_ref):
+        # The bug: the running sum lived in the bfloat16 output, rounded to 8 significant bits at each of
+        # the 32 steps. Keep it in the float32 scratch and round once, at the end.
+        k = pl.program_id(0)
 
-    @pl.when(k == 0)
-    def _init():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        @pl.when(k == 0)
+        def _init():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
 
-    @pl.when(k == pl.num_programs(0) - 1)
-    def _write():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+        @pl.when(k == pl.num_programs(0) - 1)
+        def _write():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
-
-check(puzzles.BF16_ACC, bf16_kernel, chip=CHIP)
-got = np.asarray(puzzles.BF16_ACC.build(bf16_kernel, interpret=True)(x, y), np.float64)
-print(f"largest relative error now: {np.abs(got / exact - 1).max():.2%}")
+    check(puzzles.BF16_ACC, bf16_kernel, chip=CHIP)
+    got = np.asarray(puzzles.BF16_ACC.build(bf16_kernel, interpret=True)(x, y), np.float64)
+    print(f"largest relative error now: {np.abs(got / exact - 1).max():.2%}")
 
 # %% [markdown]
 # ## Find the bug E · the tile rule (★☆☆, 5 min)
@@ -568,14 +581,15 @@ def delta_block_spec():
 check(puzzles.TILE_RULE, delta_block_spec, chip=CHIP)
 
 
-# %% tags=["solution"]
-def delta_block_spec():
-    # The bug: a last dimension of 64 is neither a multiple of 128 (the vector register's lanes) nor
-    # the array's whole 128 columns. Take whole rows; the second grid axis then has one step.
-    return pl.BlockSpec((64, 128), lambda i, d: (i, d))
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def delta_block_spec():
+        # The bug: a last dimension of 64 is neither a multiple of 128 (the vector register's lanes) nor
+        # the array's whole 128 columns. Take whole rows; the second grid axis then has one step.
+        return pl.BlockSpec((64, 128), lambda i, d: (i, d))
 
-
-check(puzzles.TILE_RULE, delta_block_spec, chip=CHIP)
+    check(puzzles.TILE_RULE, delta_block_spec, chip=CHIP)
 
 # %% [markdown]
 # ## Takeaways
