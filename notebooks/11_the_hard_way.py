@@ -16,15 +16,17 @@
 # %% [markdown]
 # # 11 · The hard way: what the TPU compiler refuses, and what it makes
 #
-# A 2026 write-up tried to force a GPU flash-attention kernel onto a Colab TPU v5e and learned the
-# hard way: its own Pallas kernel never worked, broken by block-shape rules, memory limits and JAX
-# upgrades. Every one of those failures can be met on purpose, without a TPU, because the real TPU
-# compiler (libtpu) compiles for a chip it does not have. This notebook answers: **what does each
-# refusal say, line by line, and once a kernel compiles, what did the compiler make of it?**
+# A. Zhang's write-up "Forcing Flash Attention onto a TPU and Learning the Hard Way" (2026,
+# https://archerzhang.me/forcing-flash-attention-onto-a-tpu) tried to force a GPU flash-attention
+# kernel onto a Colab TPU v5e and learned the hard way: its own Pallas kernel never worked, broken
+# by block-shape rules, memory limits and JAX upgrades. Every one of those failures can be met on
+# purpose, without a TPU, because the real TPU compiler (libtpu) compiles for a chip it does not
+# have. This notebook answers: **what does each refusal say, line by line, and once a kernel
+# compiles, what did the compiler make of it?**
 #
 # **What you'll do**
 # - meet each failure with a kernel of a few lines, compiled for real chips (compiled, not run): the
-#   (8, 128) tile rule and bfloat16's packed tiles, bfloat16 matmuls on v2, scoped VMEM and
+#   (8, 128) tile rule and bfloat16's packed tiles, bfloat16 matmuls on v2 and v3, scoped VMEM and
 #   `vmem_limit_bytes`, SMEM filled by a scalar-prefetch table, HBM out of memory, a kernel that lowers
 #   but does not compile, interpret mode passing where the compiler refuses, and a JAX upgrade break;
 # - read a kernel's Mosaic MLIR after its passes and its final VLIW bundles, and count its `vmatmul`
@@ -53,6 +55,7 @@ if "google.colab" in sys.modules:
 
 # %% tags=["nbval-ignore-output"]
 import inspect
+import os
 import re
 import tempfile
 import textwrap
@@ -77,6 +80,9 @@ print("TPU compiler:", aot.versions_text() if aot.tpu_available() else "not inst
 # %% tags=["parameters"]
 CHIP = "v5e"  # the chip most sections compile for (compiled, not run)
 RUN_STATIC = True  # section 9: dump and read the compiler's output (child processes, about 20 s)
+# The hidden solution cells run only when this is True, so Run All shows your own results alone.
+# The project's CI sets it (TPUATTN_RUN_SOLUTIONS=1): the committed outputs include the solutions'.
+RUN_SOLUTIONS = os.environ.get("TPUATTN_RUN_SOLUTIONS") == "1"
 
 # %%
 COMPILER = aot.tpu_available()  # the compile-only TPU topologies come with libtpu
@@ -109,12 +115,12 @@ def read(error, lines=6):
 
 
 # %% [markdown]
-# ## 1 · The tile rule: (8, 128), and bfloat16's (16, 128)
+# ## 1 · The tile rule: blocks of (8, 128), and bfloat16's packed tiles
 #
 # A TPU core computes on vector registers of 8 **sublanes** by 128 **lanes** of 32-bit words, and
-# keeps 2-D arrays in memory as tiles of that shape. A Pallas block is copied from HBM to VMEM tile
-# by tile, so the last two dimensions of a block must be multiples of 8 and 128 (or the whole
-# dimension). A copy kernel is enough to meet the rule:
+# keeps 2-D arrays in memory as tiles of that shape. Pallas's TPU lowering asks the same of every
+# block, whatever its dtype: its last two dimensions must be multiples of 8 and 128, or the array's
+# whole dimensions. A copy kernel is enough to meet the rule:
 
 # %%
 def double_kernel(x_ref, o_ref):
@@ -162,14 +168,14 @@ if COMPILER:
     read(compile_error(CHIP, double((8, 128), (64, 256), jnp.bfloat16), [S((64, 256), jnp.bfloat16)]))
 
 # %% [markdown]
-# The check in Pallas is on multiples of 8 whatever the dtype, so a bfloat16 block of 8 rows
-# compiles here, though it covers half of a (16, 128) tile; a block of 16 bfloat16 rows (or a
-# multiple) covers whole tiles.
+# So a bfloat16 tile holds (16, 128) values, but the block rule stays (8, 128): the bfloat16 block of
+# 8 rows above compiles, and covers half of a tile; a block of 16 bfloat16 rows (or a multiple)
+# covers whole tiles.
 #
 # ## 2 · bfloat16 matmuls on v2 and v3
 #
 # The MXU of TPU v2 and v3 multiplies bfloat16, but Mosaic's matmul on those targets does not take
-# bfloat16 operands. The same kernel compiles for v5e:
+# bfloat16 operands. The same kernel compiles for v5e, and for v2 and v3 in float32 only:
 
 # %%
 def matmul_kernel(a_ref, b_ref, o_ref):
@@ -182,7 +188,8 @@ def matmul(n, interpret=False):
 
 
 if COMPILER:
-    for chip, dtype in (("v5e", jnp.bfloat16), ("v2", jnp.float32), ("v2", jnp.bfloat16)):
+    for chip, dtype in (("v5e", jnp.bfloat16), ("v2", jnp.float32), ("v2", jnp.bfloat16),
+                        ("v3", jnp.float32), ("v3", jnp.bfloat16)):
         if not aot.chip_known(chip):
             print(f"{chip}: not known to this TPU compiler")
             continue
@@ -199,7 +206,8 @@ if COMPILER:
 # 3. *"The MLIR operation involved: ... tpu.matmul"*: the line of Mosaic's own program that failed,
 #    with its operand types: the place to look when the kernel has many `jnp.dot`s.
 #
-# The fix on v2/v3 is float32 operands (`a.astype(jnp.float32)`), the v2 float32 line above.
+# The v3 refusal is the same message. The fix on v2 and v3 is float32 operands (`a.astype(jnp.float32)`),
+# the float32 lines above.
 #
 # ## 3 · Scoped VMEM, and `vmem_limit_bytes`
 #
@@ -263,14 +271,19 @@ def gather_rows(table_len):
 if COMPILER:
     for table_len in (1024, 2**18):
         print(f"table of {table_len} int32 ({table_len * 4 // 1024} KiB):", end=" ")
-        read(compile_error(CHIP, *gather_rows(table_len)), lines=1)
+        error = compile_error(CHIP, *gather_rows(table_len))
+        read(error, lines=1)
+        if error is not None:  # the message goes on with the largest allocations: size, then what
+            allocations = re.findall(r"Size: (\S+)\n(?:.*\n)*?\s+(?:Tag|XLA label): ([^\n]+)", str(error))
+            for size, what in allocations:
+                print(f"  allocation {size}: {what[:70]}")
 
 # %% [markdown]
 # 1. *"RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space smem."*
 #    It is XLA's buffer assignment this time, not Mosaic: SMEM is allocated for the whole program.
 # 2. *"Used 1.00M of 1.00M smem. Exceeded smem capacity by 1.1K."*: the table took all of it; the
-#    next lines of the full message list the largest allocations, the table first
-#    (*"Tag: prefetched SMEM operand 0"*), then the register allocator's spill slots (the 1.0K).
+#    next lines of the full message list the largest allocations (printed above, size first): the
+#    table (*"Tag: prefetched SMEM operand 0"*), then the register allocator's spill slots.
 #
 # A block schedule kept in such tables gives a kernel a longest sequence per call: the tables must be
 # chunked, compressed, or computed in the index map. The package's Pallas kernels compute theirs from
@@ -335,10 +348,11 @@ print("bfloat16 matmul in interpret mode: correct (Mosaic refuses it for v2, sec
 
 # %% [markdown]
 # > **Takeaway.** Three gates, three kinds of message: JAX's Pallas lowering (`ValueError`: block
-# > shapes, unsupported primitives), libtpu's kernel compile (Mosaic's `INTERNAL`, `E2xxx` on JAX
-# > 0.10.2: what the chip's vector units support; scoped VMEM, `E1001`), and XLA:TPU's buffer
-# > assignment (`RESOURCE_EXHAUSTED`: SMEM, HBM). Interpret mode checks none of them; only a compile
-# > for the chip does, and a compile needs no TPU.
+# > shapes, unsupported primitives), Mosaic's kernel compile inside libtpu (`INTERNAL: Mosaic failed
+# > to compile TPU kernel`, `E2xxx` on JAX 0.10.2: what the chip's vector units support), and XLA:TPU
+# > allocating the program's memory (`RESOURCE_EXHAUSTED`: a kernel's scoped VMEM, `E1001`, allocated
+# > for its custom call; SMEM; HBM). Interpret mode checks none of them; only a compile for the chip
+# > does, and a compile needs no TPU.
 #
 # ## 8 · A JAX upgrade break, and where the package contains it
 #
@@ -491,20 +505,30 @@ if DUMP:
           " bf16):")
     print(f"  bundles in the program {lesson_static.bundles}, in the grid loop {lesson_static.loop_bundles}")
     print(f"  vmatmul per grid step {lesson_static.vmatmul}, ideal {lesson_static.ideal_vmatmul}")
+    text = "\n".join(bundles)
+    per_mxu = {mxu: len(re.findall(rf"vmatmul\S*\.{mxu}\b", text))
+               for mxu in sorted(set(re.findall(r"vmatmul\S*\.(mxu\d)", text)))}
+    print("  vmatmul per MXU:", ", ".join(f"{mxu} {n}" for mxu, n in per_mxu.items()),
+          f"| vmatpush {len(re.findall(r'= vmatpush', text))}, vpop {len(re.findall(r'= vpop', text))}")
 
 # %% [markdown]
 # The ideal: each `vmatmul` pushes one vector register of LHS rows (8 sublanes of 32-bit words: 16
 # bfloat16 rows) through a 128 x 128 weight tile held in an MXU. Two matmuls of `BLOCK x HEAD_DIM x
 # BLOCK` per step, at 128: `2 x (128 / 16) x (128 / 128) x (128 / 128) = 16`, the same as
 # `2 x BLOCK x BLOCK x HEAD_DIM x 2` FLOPs over the `2 x 16 x 128 x 128` FLOPs of one `vmatmul`.
-# `vmatpush` loads the weight tile (K, then V) into each of v5e's four MXUs (`mxu0`-`mxu3`), and
-# `vpop` reads results back. The other bundles of the step are the softmax's vector work, the DMAs of
-# the next blocks and the loop's scalar bookkeeping: with 128 x 128 tiles the `vmatmul`s sit in a small
-# share of the step's bundles.
+# The bundle printed above issues two `vmatmul`s in one cycle, to `mxu0` and `mxu2`; over the whole
+# step the 16 are spread across four MXUs, `mxu0` to `mxu3` (the count per MXU above: v5e's
+# TensorCore has four, https://cloud.google.com/tpu/docs/v5e). `vmatpush` loads a weight tile (K,
+# then V) into an MXU and `vpop` reads results back, each counted above. The other bundles of the
+# step are the softmax's vector work, the DMAs of the next blocks and the loop's scalar bookkeeping:
+# with 128 x 128 tiles the `vmatmul`s sit in a small share of the step's bundles.
 #
 # The same count for the package's kernels, forward and backward (`python -m tpuattn.aot --static`
 # prints this table). Their code has a masked and an unmasked path for each tile, and a static
-# count holds both, so a grid step runs half of the `vmatmul`s listed:
+# count holds both, so a grid step runs half of the `vmatmul`s listed. The last two columns count
+# the loop's other work: `valu`, the vector unit's arithmetic instructions (`vadd`, `vmul`, `vmax`,
+# `vsel`, ...), and `eup`, the pushes to the transcendental unit (EUP: `vpow2` for each `exp`, `vrcp`,
+# `vtanh`, ...), which the softmax's exponentials keep busy:
 
 # %%
 if COMPILER and RUN_STATIC:
@@ -632,26 +656,26 @@ check_exercises(tile_rows, copy_vmem_bytes, ideal_vmatmuls)
 #   https://openxla.org/xla/errors/error_1001, https://openxla.org/xla/errors/error_2001.
 # - JAX, *Profiling computation* (`jax.profiler`, XProf), https://docs.jax.dev/en/latest/profiling.html.
 # - Google Cloud TPU pages (VMEM, SMEM, MXU per generation): https://cloud.google.com/tpu/docs/v5e.
-# - The 2026 write-up this collection answers: *Forcing Flash Attention onto a TPU and Learning the
-#   Hard Way*.
+# - A. Zhang, "Forcing Flash Attention onto a TPU and Learning the Hard Way", 2026,
+#   https://archerzhang.me/forcing-flash-attention-onto-a-tpu -- the write-up this collection answers.
 #
 # ## Solutions
 #
-# The cell below is hidden: open it after trying the exercises. It defines a solution for each
-# exercise and runs the same checks.
+# The cell below is collapsed: open it after trying the exercises. It runs the same checks on the
+# solutions, but only when `RUN_SOLUTIONS = True` (the parameters cell; the project's CI sets it), so
+# Run All shows your own results alone.
 
-# %% jupyter={"source_hidden": true} tags=["solution", "hide-input"]
-def tile_rows_solution(dtype):
-    return 8 * (4 // jnp.dtype(dtype).itemsize)  # 8 sublanes of 32-bit words, packed rows per word
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solutions: open after trying the exercises (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def tile_rows_solution(dtype):
+        return 8 * (4 // jnp.dtype(dtype).itemsize)  # 8 sublanes of 32-bit words, packed rows per word
 
+    def copy_vmem_bytes_solution(block, dtype):
+        return 2 * 2 * block[0] * block[1] * jnp.dtype(dtype).itemsize  # (in + out) x double buffering
 
-def copy_vmem_bytes_solution(block, dtype):
-    return 2 * 2 * block[0] * block[1] * jnp.dtype(dtype).itemsize  # (in + out) x double buffering
+    def ideal_vmatmuls_solution(m, k, n, dtype):
+        rows = 8 * (4 // jnp.dtype(dtype).itemsize)  # LHS rows in one vector register
+        return -(-m // rows) * -(-k // 128) * -(-n // 128)
 
-
-def ideal_vmatmuls_solution(m, k, n, dtype):
-    rows = 8 * (4 // jnp.dtype(dtype).itemsize)  # LHS rows in one vector register
-    return -(-m // rows) * -(-k // 128) * -(-n // 128)
-
-
-check_exercises(tile_rows_solution, copy_vmem_bytes_solution, ideal_vmatmuls_solution)
+    check_exercises(tile_rows_solution, copy_vmem_bytes_solution, ideal_vmatmuls_solution)
