@@ -305,7 +305,9 @@ def nbval_jobs(tmp: Path) -> list[Job]:
                "--nbval-sanitize-with", "ci/nbval_sanitize.cfg", str(ipynb.relative_to(ROOT))]
         env = {**os.environ, "PYTHONPATH": str(ROOT / "ci"),
                "TPUATTN_FIGURES_DIR": str(tmp / f"figures-nbval-{ipynb.stem}"), **_venv.CPU_WITH_TPU_COMPILER,
-               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {OTHER_MACHINE_XLA_FLAGS}".strip()}
+               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {OTHER_MACHINE_XLA_FLAGS}".strip(),
+               # The committed outputs include the hidden solutions' checks (ci/notebooks.py runs them).
+               "TPUATTN_RUN_SOLUTIONS": "1"}
         jobs.append(command_job("nbval", f"nbval {ipynb.stem}", cmd, env))
     return jobs
 
