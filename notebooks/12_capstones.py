@@ -19,12 +19,14 @@
 # The puzzles of notebooks 08 and 09 each gave you all of a kernel but one piece. Here nothing is
 # given but the spec and the check. This notebook asks: **can you write a whole attention kernel, its
 # `pallas_call` included (the grid, the BlockSpecs, the scratch, the dimension semantics, the
-# schedule)?**
+# schedule), then its backward and the wiring to `jax.grad`?**
 #
 # **What you'll do**
 # - F: write a causal GQA flash-attention forward with its logsumexp, on a block-skip schedule you
 #   build yourself (a scalar-prefetch table of the K/V blocks each query block visits), checked in
-#   float32 and in bfloat16.
+#   float32 and in bfloat16;
+# - G: write its backward, a dQ launch and a dK/dV launch, and the `jax.custom_vjp` that joins them to
+#   your forward, checked through `jax.grad`.
 #
 # Each capstone has a spec, a picture, a stub that raises `NotImplementedError`, a check, three hidden
 # hints of rising detail, and a hidden solution. Try before you open a hint. A capstone takes a
@@ -263,12 +265,207 @@ check(puzzles.FORWARD_BF16, flash_forward, chip=CHIP)
 print("the schedule table:\n", causal_schedule(puzzles.SEQ, BLOCK)[0])
 
 # %% [markdown]
+# ## Capstone G · the backward and its custom VJP (★★★, 60 min)
+#
+# Write `flash_attention(q, k, v, *, interpret)` that returns `out` and is differentiable: a
+# `jax.custom_vjp` whose forward is your `flash_forward` (it saves `q`, `k`, `v`, `out` and `lse` for
+# the backward; if you skipped F, `puzzles.package_forward` is the package's own Pallas forward in
+# F's layout) and whose backward makes two launches: one writing dQ (`out_names=("dq",)`) and one
+# writing dK and dV (`out_names=("dk", "dv")`). The shapes are F's with 256 rows (two blocks).
+#
+# For each head, with `P = exp(S − lse)` recomputed per tile and `δ = rowsum(dO ∘ O)`:
+# `dV = Pᵀ dO`, `dS = P ∘ (dO Vᵀ − δ)`, `dQ = dS K · scale`, `dK = dSᵀ Q · scale`; a kv head's dK and
+# dV sum over the query heads of its group. The check takes `jax.grad` of `Σ out ∘ dO` with respect to
+# `q`, `k`, `v`, compares it with the float64 oracle's gradients (a mismatch names dQ, dK or dV), and
+# audits both backward launches as it audits the forward's.
+
+# %%
+n = puzzles.GRAD_SEQ // BLOCK
+fig, axes = panels(2, width=3.0)
+draw_grid(axes[0], n, n, labels={(i, j): f"t={j}" for i in range(n) for j in range(i + 1)},
+          colours={(i, j): causal_colour(i, j) for i in range(n) for j in range(n)},
+          title="dQ: query block i, steps over K/V", xlabel="K/V block", ylabel="query block i")
+draw_grid(axes[1], n, n, labels={(j, i): f"t={i - j}" for j in range(n) for i in range(j, n)},
+          colours={(j, i): causal_colour(i, j) for j in range(n) for i in range(n)},
+          title="dK, dV: K/V block j, steps over queries", xlabel="query block", ylabel="K/V block j")
+fig.suptitle("the same visible tiles, walked by rows for dQ and by columns for dK and dV", fontsize=9,
+             y=1.02)
+plt.show()
+
+
+# %% tags=["puzzle"]
+def flash_attention(q, k, v, *, interpret):
+    raise NotImplementedError("a jax.custom_vjp: your forward, then a dQ launch and a dK/dV launch")
+
+
+# %%
+check(puzzles.BACKWARD, flash_attention, chip=CHIP)
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 1 of 3: the plan.** In the backward compute `δ = Σ_d out ∘ dO` (a `[4, 256, 1]` column) in
+# plain JAX. The dQ launch is the forward's: the same grid, table and K/V map, inputs
+# `q, k, v, do, lse, delta`, one `(128, 128)` float32 accumulator. The dK/dV launch turns the walk
+# around: grid `(kv heads, K/V blocks, query heads of the group, query-block steps)`, with a second
+# table: K/V block `j` is seen by query blocks `j, j + 1, …` (pad each row with its last). Its query
+# side names head `hk * 2 + g`, its two accumulators sum over both of the last two axes.
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 2 of 3: the bodies.** Recompute the tile `P = where(cols <= rows, exp(S − lse), 0)` from the
+# global rows and columns. dQ: `acc += (P ∘ (dO Vᵀ − δ)) K · scale`, zeroed at the first step, written
+# at the last. dK/dV: `dv_acc += Pᵀ dO`, `dk_acc += dSᵀ Q · scale` (`tn(a, b)` is `aᵀ b`); zero them
+# when `g == 0` and `t == 0`, write them when both are at their last index, and mark both of those
+# axes `"arbitrary"`: their steps share one output block.
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 3 of 3: the wiring.**
+#
+# ```python
+# def flash_attention(q, k, v, *, interpret):
+#     @jax.custom_vjp
+#     def attention(q, k, v):
+#         return flash_forward(q, k, v, interpret=interpret)[0]
+#
+#     def attention_forward(q, k, v):
+#         out, lse = flash_forward(q, k, v, interpret=interpret)
+#         return out, (q, k, v, out, lse)
+#
+#     def attention_backward(residuals, do):
+#         return flash_backward(*residuals, do, interpret=interpret)  # -> (dq, dk, dv)
+#
+#     attention.defvjp(attention_forward, attention_backward)
+#     return attention(q, k, v)
+# ```
+
+
+# %% jupyter={"source_hidden": true} tags=["solution", "hide-cell"]
+def tile_probabilities(q, k, lse, i, j):
+    """P of query block i against K/V block j, recomputed from the logsumexp, masked causally."""
+    s = qk(q, k) * SCALE
+    rows = i * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    cols = j * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    return jnp.where(cols <= rows, jnp.exp(s - lse), 0.0)
+
+
+def dq_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref):
+    i, t = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(t < counts_ref[i])
+    def _step():
+        k = k_ref[...]
+        p = tile_probabilities(q_ref[...], k, lse_ref[...], i, table_ref[i, t])
+        ds = p * (qk(do_ref[...], v_ref[...]) - delta_ref[...])
+        acc_ref[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * SCALE
+
+    @pl.when(t == pl.num_programs(2) - 1)
+    def _write():
+        dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
+
+
+def dkv_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+               dk_acc, dv_acc):
+    j, g, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+
+    @pl.when((g == 0) & (t == 0))
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    @pl.when(t < counts_ref[j])
+    def _step():
+        q, do = q_ref[...], do_ref[...]
+        p = tile_probabilities(q, k_ref[...], lse_ref[...], table_ref[j, t], j)
+        ds = p * (qk(do, v_ref[...]) - delta_ref[...])
+        dv_acc[...] += tn(p.astype(do.dtype), do)
+        dk_acc[...] += tn(ds.astype(q.dtype), q) * SCALE
+
+    @pl.when((g == pl.num_programs(2) - 1) & (t == pl.num_programs(3) - 1))
+    def _write():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def transposed_schedule(seq, block):
+    """(table [n, n], counts [n]): K/V block j is seen by query blocks j..n-1, padded with block n-1."""
+    n = seq // block
+    table = np.stack([np.minimum(np.arange(n) + j, n - 1) for j in range(n)]).astype(np.int32)
+    return table, (n - np.arange(n)).astype(np.int32)
+
+
+def flash_backward(q, k, v, out, lse, do, *, interpret):
+    heads, seq, d = q.shape
+    kv_heads = k.shape[0]
+    group, n = heads // kv_heads, seq // BLOCK
+    delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+    inputs = ("q", "k", "v", "do", "lse", "delta")
+
+    table, counts = causal_schedule(seq, BLOCK)  # dQ: the forward's walk
+    row = pl.BlockSpec((None, BLOCK, d), lambda h, i, t, table, counts: (h, i, 0))
+    stat = pl.BlockSpec((None, BLOCK, 1), lambda h, i, t, table, counts: (h, i, 0))
+    kv = pl.BlockSpec((None, BLOCK, d),
+                      lambda h, i, t, table, counts: (jax.lax.div(h, group), table[i, t], 0))
+    dq = pallas_call(
+        dq_kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(heads, n, n), in_specs=[row, kv, kv, row, stat, stat],
+            out_specs=row, scratch_shapes=[pltpu.VMEM((BLOCK, d), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret, in_names=inputs, out_names=("dq",),
+    )(jnp.asarray(table), jnp.asarray(counts), q, k, v, do, lse, delta)
+
+    table, counts = transposed_schedule(seq, BLOCK)  # dK, dV: the walk turned around
+
+    def query_side(hk, j, g, t, table, counts):
+        return hk * group + g, table[j, t], 0
+
+    row, stat = pl.BlockSpec((None, BLOCK, d), query_side), pl.BlockSpec((None, BLOCK, 1), query_side)
+    kv = pl.BlockSpec((None, BLOCK, d), lambda hk, j, g, t, table, counts: (hk, j, 0))
+    dk, dv = pallas_call(
+        dkv_kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(kv_heads, n, group, n), in_specs=[row, kv, kv, row, stat, stat],
+            out_specs=[kv, kv], scratch_shapes=[pltpu.VMEM((BLOCK, d), jnp.float32)] * 2),
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+        interpret=interpret, in_names=inputs, out_names=("dk", "dv"),
+    )(jnp.asarray(table), jnp.asarray(counts), q, k, v, do, lse, delta)
+    return dq, dk, dv
+
+
+def flash_attention(q, k, v, *, interpret):
+    forward = flash_forward  # or puzzles.package_forward
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return forward(q, k, v, interpret=interpret)[0]
+
+    def attention_forward(q, k, v):
+        out, lse = forward(q, k, v, interpret=interpret)
+        return out, (q, k, v, out, lse)
+
+    def attention_backward(residuals, do):
+        return flash_backward(*residuals, do, interpret=interpret)
+
+    attention.defvjp(attention_forward, attention_backward)
+    return attention(q, k, v)
+
+
+check(puzzles.BACKWARD, flash_attention, chip=CHIP)
+
+# %% [markdown]
 # ## Takeaways
 #
 # > **Takeaway.** A `pallas_call` is five decisions: the grid (which axes own an output block, which
 # > reduce), the BlockSpecs (what each step sees, and so what it copies), the scratch (what lives
 # > across steps), the dimension semantics (what a megacore chip may split), and the scalar-prefetch
 # > tables (a schedule as data, read by the index maps before the step runs).
+#
+# > **Takeaway.** The backward is the forward's tiles walked twice more, by rows for dQ and by columns
+# > for dK and dV; the forward's logsumexp and `δ = rowsum(dO ∘ O)` are all it needs, and
+# > `jax.custom_vjp` is the whole of the wiring.
 #
 # ## References
 #
@@ -278,4 +475,4 @@ print("the schedule table:\n", causal_schedule(puzzles.SEQ, BLOCK)[0])
 # - JAX documentation: Pallas TPU pipelining https://docs.jax.dev/en/latest/pallas/tpu/pipelining.html,
 #   scalar prefetch and block-sparse kernels https://docs.jax.dev/en/latest/pallas/tpu/sparse.html.
 # - T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023,
-#   arXiv:2307.08691 (the forward's logsumexp).
+#   arXiv:2307.08691 (the forward's logsumexp and the backward's recomputation).

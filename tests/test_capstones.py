@@ -160,7 +160,184 @@ def test_forward_near_misses_fail_with_their_message(slip, message, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The oracle, from the formula.
+# G. the backward and its custom VJP.
+
+def backward_schedule(seq, block):
+    """K/V block j is seen by query blocks j..n-1; each row padded with its last block."""
+    n = seq // block
+    table = np.stack([np.minimum(np.arange(n) + j, n - 1) for j in range(n)]).astype(np.int32)
+    return table, (n - np.arange(n)).astype(np.int32)
+
+
+def _probabilities(q, k, lse, i, j):
+    s = _qk(q, k) * SCALE
+    rows = i * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    cols = j * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    return jnp.where(cols <= rows, jnp.exp(s - lse), 0.0)
+
+
+def _dq_kernel(*, with_delta):
+    def kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref):
+        i, t = pl.program_id(1), pl.program_id(2)
+
+        @pl.when(t == 0)
+        def _init():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        @pl.when(t < counts_ref[i])
+        def _step():
+            k = k_ref[...]
+            p = _probabilities(q_ref[...], k, lse_ref[...], i, table_ref[i, t])
+            dp = _qk(do_ref[...], v_ref[...])
+            ds = p * (dp - delta_ref[...]) if with_delta else p * dp
+            acc_ref[...] += jnp.dot(ds, k, preferred_element_type=jnp.float32) * SCALE
+
+        @pl.when(t == pl.num_programs(2) - 1)
+        def _write():
+            dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
+    return kernel
+
+
+def _dkv_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+                dk_acc, dv_acc):
+    j, g, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+
+    @pl.when((g == 0) & (t == 0))
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    @pl.when(t < counts_ref[j])
+    def _step():
+        q, do = q_ref[...], do_ref[...]
+        p = _probabilities(q, k_ref[...], lse_ref[...], table_ref[j, t], j)
+        ds = p * (_qk(do, v_ref[...]) - delta_ref[...])
+        dv_acc[...] += _tn(p, do)
+        dk_acc[...] += _tn(ds, q) * SCALE
+
+    @pl.when((g == pl.num_programs(2) - 1) & (t == pl.num_programs(3) - 1))
+    def _write():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def backward_answer(*, forward=None, with_delta=True, whole_group=True, swapped=False,
+                    group_semantics="arbitrary"):
+    forward = forward or forward_answer()
+    names = {"in_names": ("q", "k", "v", "do", "lse", "delta")}
+
+    def flash_backward(q, k, v, out, lse, do, *, interpret):
+        heads, seq, d = q.shape
+        kv_heads = k.shape[0]
+        group = heads // kv_heads
+        delta = jnp.sum(out.astype(jnp.float32) * do, axis=-1, keepdims=True)
+        n = seq // BLOCK
+        table, counts = causal_schedule(seq, BLOCK)
+        row = pl.BlockSpec((None, BLOCK, d), lambda h, i, t, table, counts: (h, i, 0))
+        stat = pl.BlockSpec((None, BLOCK, 1), lambda h, i, t, table, counts: (h, i, 0))
+        kv = pl.BlockSpec((None, BLOCK, d),
+                          lambda h, i, t, table, counts: (jax.lax.div(h, group), table[i, t], 0))
+        dq = cap.pallas_call(
+            _dq_kernel(with_delta=with_delta), grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2, grid=(heads, n, n), in_specs=[row, kv, kv, row, stat, stat],
+                out_specs=row, scratch_shapes=[pltpu.VMEM((BLOCK, d), jnp.float32)]),
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            compiler_params=_params("parallel", "parallel", "arbitrary"), interpret=interpret,
+            out_names=("dq",), **names)(jnp.asarray(table), jnp.asarray(counts), q, k, v, do, lse, delta)
+        table, counts = backward_schedule(seq, BLOCK)
+        served = group if whole_group else 1  # the query heads of a group one kv head's grid serves
+
+        def q_map(hk, j, g, t, table, counts):
+            return hk * group + g, table[j, t], 0
+
+        row = pl.BlockSpec((None, BLOCK, d), q_map)
+        stat = pl.BlockSpec((None, BLOCK, 1), q_map)
+        kv = pl.BlockSpec((None, BLOCK, d), lambda hk, j, g, t, table, counts: (hk, j, 0))
+        dk, dv = cap.pallas_call(
+            _dkv_kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2, grid=(kv_heads, n, served, n),
+                in_specs=[row, kv, kv, row, stat, stat], out_specs=[kv, kv],
+                scratch_shapes=[pltpu.VMEM((BLOCK, d), jnp.float32)] * 2),
+            out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+            compiler_params=_params("parallel", "parallel", group_semantics, "arbitrary"),
+            interpret=interpret, out_names=("dk", "dv"), **names,
+        )(jnp.asarray(table), jnp.asarray(counts), q, k, v, do, lse, delta)
+        return (dq, dv, dk) if swapped else (dq, dk, dv)
+
+    def flash_attention(q, k, v, *, interpret):
+        @jax.custom_vjp
+        def attention(q, k, v):
+            return forward(q, k, v, interpret=interpret)[0]
+
+        def attention_forward(q, k, v):
+            out, lse = forward(q, k, v, interpret=interpret)
+            return out, (q, k, v, out, lse)
+
+        def attention_backward(residuals, do):
+            return flash_backward(*residuals, do, interpret=interpret)
+
+        attention.defvjp(attention_forward, attention_backward)
+        return attention(q, k, v)
+    return flash_attention
+
+
+def test_the_backward_passes(capsys):
+    _assert_pass(cap.BACKWARD, backward_answer(), capsys)
+
+
+def test_the_backward_passes_on_the_packages_forward(capsys):
+    """A learner who skipped F joins the package's Pallas forward (capstones.package_forward) to their
+    backward: the check needs no forward launch of theirs."""
+    _assert_pass(cap.BACKWARD, backward_answer(forward=cap.package_forward), capsys)
+
+
+@pytest.mark.parametrize("slip, message", [
+    ({"with_delta": False}, "dQ mismatch at index"),
+    ({"whole_group": False}, "dK mismatch at index"),
+    ({"swapped": True}, "dK mismatch at index"),
+    ({"group_semantics": "parallel"},
+     'the dk index map names block (0, 0, 0) at grid steps (0, 0, 0, 0) and (0, 0, 1, 0), which differ '
+     'along grid axis 2, marked "parallel"'),
+], ids=["dS without delta", "dK/dV of one head per group", "dK and dV swapped", "group axis parallel"])
+def test_backward_near_misses_fail_with_their_message(slip, message, capsys):
+    verdict, out = _check(cap.BACKWARD, backward_answer(**slip), capsys)
+    assert verdict is False and out.startswith(f"FAIL {cap.BACKWARD.name}: "), out
+    assert message in out, out
+
+
+def test_the_backward_names_a_missing_launch(capsys):
+    """A backward that never launches a dK/dV kernel (here: jax's own VJP of a plain-JAX attention
+    for everything) fails the audit by name."""
+    def plain(q, k, v, *, interpret):
+        k, v = (jnp.repeat(a, cap.GROUP, axis=0) for a in (k, v))
+        s = jnp.einsum("hqd,hkd->hqk", q, k) * SCALE
+        s = jnp.where(jnp.asarray(cap.causal_visible(q.shape[1])), s, -jnp.inf)
+        return jnp.einsum("hqk,hkd->hqd", jax.nn.softmax(s, axis=-1), v)
+
+    verdict, out = _check(cap.BACKWARD, plain, capsys)
+    assert verdict is False
+    assert "the check saw no launch: build each kernel with capstones.pallas_call" in out, out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The oracles, from the formulas: the gradients agree with finite differences of the forward.
+
+def test_the_gradient_oracle_agrees_with_finite_differences():
+    rng = np.random.default_rng(0)
+    shapes = [(4, 8, 128), (2, 8, 128), (2, 8, 128), (4, 8, 128)]
+    q, k, v, do = (rng.standard_normal(shape) for shape in shapes)
+    grads = cap.gradients64(q, k, v, do)
+    eps = 1e-6
+    for n, array in enumerate((q, k, v)):
+        for index in [(0, 3, 5), (1, 7, 100)]:
+            if index[0] >= array.shape[0]:
+                continue
+            up, down = [a.copy() for a in (q, k, v)], [a.copy() for a in (q, k, v)]
+            up[n][index] += eps
+            down[n][index] -= eps
+            numeric = ((cap.attention64(*up)[0] - cap.attention64(*down)[0]) * do).sum() / (2 * eps)
+            assert numeric == pytest.approx(grads[n][index], rel=1e-6, abs=1e-9)
+
 
 def test_the_forward_oracle_has_the_logsumexp_of_each_row():
     rng = np.random.default_rng(1)

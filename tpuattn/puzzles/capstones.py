@@ -2,7 +2,9 @@
 chapter; vorushin's Pallas puzzles' "configure your own pallas_call").
 
 F. a causal GQA flash-attention forward with its logsumexp, on a block-skip schedule the learner builds
-   (a scalar-prefetch table of the K/V blocks each query block visits); float32, and again in bfloat16.
+   (a scalar-prefetch table of the K/V blocks each query block visits); float32, and again in bfloat16;
+G. its backward: the dQ and dK/dV kernels and the ``jax.custom_vjp`` that joins them to the forward,
+   checked through ``jax.grad``.
 
 An answer is a function that builds and calls its ``pallas_call`` s (``interpret=`` passed through).
 It calls :func:`pallas_call` here: ``pl.pallas_call`` with the operands' names, which shows the check
@@ -19,6 +21,7 @@ import contextlib
 import dataclasses
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,10 +33,11 @@ from tpuattn.puzzles.core import Puzzle, register
 
 HEAD_DIM = 128
 SCALE = 1.0 / np.sqrt(HEAD_DIM)
-HEADS, KV_HEADS = 4, 2                 # F: query heads h = 0..3 use kv head h // GROUP
+HEADS, KV_HEADS = 4, 2                 # F, G: query heads h = 0..3 use kv head h // GROUP
 GROUP = HEADS // KV_HEADS
 SEQ, BLOCK = 512, 128                  # F: 4 query blocks and 4 K/V blocks per head
 BF16_SEQ = 256                         # F in bfloat16
+GRAD_SEQ = 256                         # G
 
 
 def _rng(seed: int) -> np.random.Generator:
@@ -53,8 +57,10 @@ def _f64(*arrays):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The float64 oracle, from the formula: S = Q Kᵀ · scale, masked causally; lse = log Σ exp S (natural
-# log, per row); P = exp(S - lse); O = P V.
+# float64 oracles, from the formulas: S = Q Kᵀ · scale, masked causally; lse = log Σ exp S (natural
+# log, per row); P = exp(S - lse); O = P V. The gradients of Σ O ∘ dO: dV = Pᵀ dO, dP = dO Vᵀ,
+# dS = P ∘ (dP - rowsum(P ∘ dP)), dQ = dS K · scale, dK = dSᵀ Q · scale; a kv head's dK, dV sum over
+# the query heads of its group.
 
 def causal_visible(seq: int) -> np.ndarray:
     """``[seq, seq]`` bool: query ``r`` sees key ``c`` iff ``c <= r``."""
@@ -80,6 +86,24 @@ def attention64(q, k, v):
         p, lse[h] = _head_probabilities(q[h], k[h // group], visible)
         out[h] = p @ v[h // group]
     return out, lse
+
+
+def gradients64(q, k, v, do):
+    """``(dq, dk, dv)`` of ``Σ out ∘ do`` for :func:`attention64`'s ``out``, in float64."""
+    q, k, v, do = _f64(q, k, v, do)
+    heads, seq, _ = q.shape
+    group = heads // k.shape[0]
+    visible = causal_visible(seq)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for h in range(heads):
+        g = h // group
+        p, _ = _head_probabilities(q[h], k[g], visible)
+        dp = do[h] @ v[g].T
+        ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+        dq[h] = ds @ k[g] * SCALE
+        dk[g] += ds.T @ q[h] * SCALE
+        dv[g] += p.T @ do[h]
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -311,8 +335,57 @@ FORWARD_BF16 = register(Puzzle(
     outputs=("out", "lse")))
 
 
-PUZZLES = (FORWARD, FORWARD_BF16)
+# ---------------------------------------------------------------------------------------------------
+# G. the backward: flash_attention(q, k, v, interpret=...) -> out, differentiable through the learner's
+# jax.custom_vjp (their forward, a dQ launch, a dK/dV launch); checked as jax.grad of Σ out ∘ do.
 
-__all__ = ["BF16_SEQ", "BLOCK", "Call", "GROUP", "HEADS", "HEAD_DIM", "KV_HEADS", "PUZZLES", "SCALE",
-           "SEQ", "attention64", "causal_visible", "pallas_call", "visible_tiles"] + [
-    "FORWARD", "FORWARD_BF16"]
+def _gradient_wrap(answer, interpret):
+    def fn(q, k, v, do):
+        do = jnp.asarray(do)
+
+        def loss(q, k, v):
+            return jnp.sum(answer(q, k, v, interpret=interpret).astype(jnp.float32) * do)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    return fn
+
+
+def _gradient_inputs():
+    rng = _rng(23)
+    return (_normal(rng, (HEADS, GRAD_SEQ, HEAD_DIM)), _normal(rng, (KV_HEADS, GRAD_SEQ, HEAD_DIM)),
+            _normal(rng, (KV_HEADS, GRAD_SEQ, HEAD_DIM)), _normal(rng, (HEADS, GRAD_SEQ, HEAD_DIM)))
+
+
+BACKWARD_NAME = "G. capstone: the backward and its custom VJP"
+
+# Each gradient sums up to 256 float32 products per element (dQ over the keys, dK and dV over the
+# queries of two heads); the largest are about 7.
+BACKWARD = register(Puzzle(
+    BACKWARD_NAME, _builder(BACKWARD_NAME, _gradient_wrap), _gradient_inputs, gradients64,
+    rtol=1e-4, atol=1e-4,
+    audit=_audit_launches(BACKWARD_NAME, GRAD_SEQ, ("dq", "dk"), optional=("out",)),
+    outputs=("dQ", "dK", "dV")))
+
+
+def package_forward(q, k, v, *, interpret=True):
+    """tpuattn's own Pallas forward in capstone F's layout: ``(out [H, S, D], lse [H, S, 1])``, causal,
+    for a backward whose learner skipped F. (The package decides interpret mode itself: interpreted off
+    a TPU, compiled inside :func:`tpuattn.chips.target`; ``interpret`` is accepted and unused.)"""
+    import tpuattn
+    from tpuattn import api, softmax
+
+    def contract(a):  # [heads, seq, head_dim] -> the contract's [batch, seq, heads, head_dim]
+        return jnp.swapaxes(a, 0, 1)[None]
+
+    q4, k4, v4, segment_ids, spec = tpuattn.make_spec(contract(q), contract(k), contract(v), causal=True)
+    part = api.resolve("pallas", spec).partial.forward(q4, k4, v4, segment_ids, spec)
+    out = jnp.swapaxes(part.out[0], 0, 1).astype(q.dtype)
+    return out, softmax.to_lse(part)[0][..., None]
+
+
+PUZZLES = (FORWARD, FORWARD_BF16, BACKWARD)
+
+__all__ = ["BF16_SEQ", "BLOCK", "Call", "GRAD_SEQ", "GROUP", "HEADS", "HEAD_DIM", "KV_HEADS", "PUZZLES",
+           "SCALE", "SEQ", "attention64", "causal_visible", "gradients64", "package_forward",
+           "pallas_call", "visible_tiles"] + [
+    "BACKWARD", "FORWARD", "FORWARD_BF16"]
