@@ -19,14 +19,17 @@
 # The puzzles of notebooks 08 and 09 each gave you all of a kernel but one piece. Here nothing is
 # given but the spec and the check. This notebook asks: **can you write a whole attention kernel, its
 # `pallas_call` included (the grid, the BlockSpecs, the scratch, the dimension semantics, the
-# schedule), then its backward and the wiring to `jax.grad`?**
+# schedule), then its backward and the wiring to `jax.grad`, then a kernel that moves its own data
+# with DMAs?**
 #
 # **What you'll do**
 # - F: write a causal GQA flash-attention forward with its logsumexp, on a block-skip schedule you
 #   build yourself (a scalar-prefetch table of the K/V blocks each query block visits), checked in
 #   float32 and in bfloat16;
 # - G: write its backward, a dQ launch and a dK/dV launch, and the `jax.custom_vjp` that joins them to
-#   your forward, checked through `jax.grad`.
+#   your forward, checked through `jax.grad`;
+# - H: write a decode step that copies its KV-cache pages itself, double-buffered
+#   (`pltpu.make_async_copy`, DMA semaphores, two VMEM slots), checked by the race detector.
 #
 # Each capstone has a spec, a picture, a stub that raises `NotImplementedError`, a check, three hidden
 # hints of rising detail, and a hidden solution. Try before you open a hint. A capstone takes a
@@ -110,19 +113,20 @@ def tn(a, b):
 # operands. `check(...)` then
 #
 # 1. runs your function in interpret mode on the CPU against a float64 NumPy oracle written from the
-#    formulas, and again with your scratch set to NaN wherever a `"parallel"` axis moves on, as a
-#    megacore chip's two cores would run it;
+#    formulas (H in the TPU simulator with its race detector), and again with your scratch set
+#    to NaN wherever a `"parallel"` axis moves on, as a megacore chip's two cores would run it;
 # 2. audits what values cannot show: every index map walked over the whole grid (a block outside its
-#    array; a tile the causal mask hides, copied for nothing; more copies than tiles), and the
-#    launches the capstone asks for;
+#    array; a tile the causal mask hides, copied for nothing; more copies than tiles), the launches
+#    the capstone asks for, the copies H must make itself;
 # 3. compiles your function for a TPU v5e with the real TPU compiler (compiled, not run),
 #
 # and prints one line: `PASS`, `not written yet`, the first mismatch, a race, an audit's sentence or
 # the compiler's message.
 #
-# A habit the compiler asks for: divide a grid index with `jax.lax.div(h, 2)`, not `h // 2`:
+# Two habits the compiler asks for. Divide a grid index with `jax.lax.div(h, 2)`, not `h // 2`:
 # Python's floor division lowers through `sign`, which the compile-only TPU compiler cannot lower
-# ("Unsupported TPU device kind: cpu").
+# ("Unsupported TPU device kind: cpu"). And in H a wait for a copy that was never started waits
+# for ever, in the simulator as on a TPU: interrupt the kernel and look at your starts and waits.
 
 # %% [markdown]
 # ## Capstone F · a causal GQA flash forward on your own schedule (★★★, 45 min)
@@ -456,6 +460,134 @@ def flash_attention(q, k, v, *, interpret):
 check(puzzles.BACKWARD, flash_attention, chip=CHIP)
 
 # %% [markdown]
+# ## Capstone H · decode, pages copied by hand (★★★, 45 min)
+#
+# One decode step over a paged KV cache: `q` `[2, 8, 128]` (two sequences, one new token each, eight
+# query heads sharing one kv head), the cache a pool of pages `k_pages`, `v_pages` `[12, 16, 128]`
+# (12 pages of 16 tokens), `page_table` `[2, 8]` and `lengths` `[2]` int32 (100 and 37 tokens: 7
+# pages and 3). Token `t` of sequence `b` sits in page `page_table[b, t // 16]`, row `t % 16`. Write
+# `decode_step(q, k_pages, v_pages, page_table, lengths, *, interpret)` returning `out` `[2, 8, 128]`.
+#
+# The pipeline copies nothing for you here: the pools stay in HBM (`pl.BlockSpec(memory_space=pl.ANY)`),
+# and the kernel copies each page it needs with `pltpu.make_async_copy` into one of two VMEM slots,
+# starting page `p + 1`'s copy before it computes on page `p`, and waiting on a copy's DMA semaphore
+# before it reads the slot. The check runs the TPU simulator's race detector, which sees a read of a
+# slot that a copy may still be writing. The table's entries past a sequence's pages name page 11,
+# whose values are NaN: compute with it and the output is NaN.
+
+# %%
+pages = -(-puzzles.DECODE_LENGTHS[0] // puzzles.PAGE_SIZE)
+fig, (ax,) = panels(width=7.0, height=1.9)
+labels, colours = {}, {}
+for p in range(pages):
+    labels[(p % 2, p)], colours[(p % 2, p)] = f"read {p}", FULL
+    if p + 1 < pages:
+        labels[((p + 1) % 2, p)], colours[((p + 1) % 2, p)] = f"copy {p + 1}", FETCH
+draw_grid(ax, 2, pages, labels=labels, colours=colours, xlabel="loop step p", ylabel="VMEM slot",
+          title="sequence 0: page p is read while page p + 1 arrives")
+plt.show()
+
+
+# %% tags=["puzzle"]
+def decode_step(q, k_pages, v_pages, page_table, lengths, *, interpret):
+    raise NotImplementedError("copy each page yourself into two VMEM slots, double-buffered")
+
+
+# %%
+check(puzzles.DECODE, decode_step, chip=CHIP)
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 1 of 3: the launch.** Grid `(2,)` over the sequences (`"parallel"`), the tables by scalar
+# prefetch, `q` and `out` with `pl.BlockSpec((None, 8, 128), lambda b, table, lengths: (b, 0, 0))`,
+# the pools with `pl.BlockSpec(memory_space=pl.ANY)`. Scratch: `pltpu.VMEM((2, 16, 128), ...)` for K
+# and for V, and `pltpu.SemaphoreType.DMA((2, 2))` (K or V, slot). In the kernel, the number of pages
+# is `jax.lax.div(length + 15, 16)`; loop over them with `jax.lax.fori_loop`, carrying the online
+# softmax's `(m, l, acc)` as values.
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 2 of 3: the order.** Start page 0's copies into slot 0 before the loop. At step `p`, with
+# `slot = jax.lax.rem(p, 2)`: wait for page `p`'s copies (a descriptor made again with the same
+# source, destination and semaphore waits for the one started earlier); then, if `p + 1` is a page of
+# the sequence, start its copies into slot `1 − slot`; then compute on slot `slot`, masking tokens at
+# or past `length`. Started into the same slot, the next copy would overwrite the page being read: the
+# race the detector reports.
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 3 of 3: the copies.**
+#
+# ```python
+# def copies(p, slot):  # page p of sequence b into VMEM slot `slot`: one DMA for K, one for V
+#     page = table_ref[b, p]
+#     return (pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot], sems.at[0, slot]),
+#             pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot], sems.at[1, slot]))
+#
+# for copy in copies(p, slot):
+#     copy.wait()
+# ```
+
+
+# %% jupyter={"source_hidden": true} tags=["solution", "hide-cell"]
+PAGE_SIZE = puzzles.PAGE_SIZE
+
+
+def decode_kernel(table_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems):
+    b = pl.program_id(0)
+    length = lengths_ref[b]
+    num_pages = jax.lax.div(length + PAGE_SIZE - 1, PAGE_SIZE)
+
+    def copies(p, slot):  # page p of sequence b into VMEM slot `slot`: one DMA for K, one for V
+        page = table_ref[b, p]
+        return (pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot], sems.at[0, slot]),
+                pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot], sems.at[1, slot]))
+
+    for copy in copies(0, 0):
+        copy.start()
+    q = q_ref[...]
+
+    def step(p, state):
+        m, l_sum, acc = state
+        slot = jax.lax.rem(p, 2)
+        for copy in copies(p, slot):
+            copy.wait()
+
+        @pl.when(p + 1 < num_pages)
+        def _prefetch():  # the next page's copy runs while this page is read
+            for copy in copies(p + 1, 1 - slot):
+                copy.start()
+
+        s = qk(q, k_buf[slot]) * SCALE
+        tokens = p * PAGE_SIZE + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(tokens < length, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+        alpha, pr = jnp.exp(m - m_new), jnp.exp(s - m_new)
+        acc = alpha * acc + jnp.dot(pr, v_buf[slot], preferred_element_type=jnp.float32)
+        return m_new, alpha * l_sum + pr.sum(axis=1, keepdims=True), acc
+
+    heads, d = q.shape
+    state = (jnp.full((heads, 1), -jnp.inf, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
+             jnp.zeros((heads, d), jnp.float32))
+    _, l_sum, acc = jax.lax.fori_loop(0, num_pages, step, state)
+    o_ref[...] = (acc / l_sum).astype(o_ref.dtype)
+
+
+def decode_step(q, k_pages, v_pages, page_table, lengths, *, interpret):
+    batch, heads, d = q.shape
+    row = pl.BlockSpec((None, heads, d), lambda b, table, lengths: (b, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)  # the pools stay in HBM: the kernel copies pages itself
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(batch,), in_specs=[row, hbm, hbm], out_specs=row,
+        scratch_shapes=[pltpu.VMEM((2, PAGE_SIZE, d), k_pages.dtype),
+                        pltpu.VMEM((2, PAGE_SIZE, d), v_pages.dtype), pltpu.SemaphoreType.DMA((2, 2))])
+    return pallas_call(
+        decode_kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)), interpret=interpret,
+        in_names=("q", "k_pages", "v_pages"), out_names=("out",),
+    )(page_table, lengths, q, k_pages, v_pages)
+
+
+check(puzzles.DECODE, decode_step, chip=CHIP)
+
+# %% [markdown]
 # ## Takeaways
 #
 # > **Takeaway.** A `pallas_call` is five decisions: the grid (which axes own an output block, which
@@ -467,6 +599,10 @@ check(puzzles.BACKWARD, flash_attention, chip=CHIP)
 # > for dK and dV; the forward's logsumexp and `δ = rowsum(dO ∘ O)` are all it needs, and
 # > `jax.custom_vjp` is the whole of the wiring.
 #
+# > **Takeaway.** A DMA you start yourself is yours to wait for: two slots let the next copy run while
+# > the current one is read, and a read of a slot a copy may still be writing is a race, which the
+# > simulator's race detector names even when the values happen to come out right.
+#
 # ## References
 #
 # - S. Rush, Triton-Puzzles, https://github.com/srush/Triton-Puzzles (the last chapter: the whole
@@ -476,3 +612,5 @@ check(puzzles.BACKWARD, flash_attention, chip=CHIP)
 #   scalar prefetch and block-sparse kernels https://docs.jax.dev/en/latest/pallas/tpu/sparse.html.
 # - T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023,
 #   arXiv:2307.08691 (the forward's logsumexp and the backward's recomputation).
+# - W. Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+#   PagedAttention", 2023, arXiv:2309.06180 (the page table).

@@ -320,6 +320,144 @@ def test_the_backward_names_a_missing_launch(capsys):
 
 
 # ---------------------------------------------------------------------------------------------------
+# H. decode, pages copied by hand.
+
+PAGE = cap.PAGE_SIZE
+
+
+def _decode_kernel(*, slots=2, wait=True, past_end=False):
+    def kernel(table_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems):
+        b = pl.program_id(0)
+        length = lengths_ref[b]
+        num_pages = cap.PAGES_PER_SEQ if past_end else jax.lax.div(length + PAGE - 1, PAGE)
+
+        def copies(p, slot):
+            page = table_ref[b, p]
+            return (pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot], sems.at[0, slot]),
+                    pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot], sems.at[1, slot]))
+
+        for copy in copies(0, 0):
+            copy.start()
+        q = q_ref[...]
+
+        def step(p, state):
+            m, l_sum, acc = state
+            slot = jax.lax.rem(p, 2) if slots == 2 else 0
+            if wait:
+                for copy in copies(p, slot):
+                    copy.wait()
+
+            @pl.when(p + 1 < num_pages)
+            def _prefetch():
+                for copy in copies(p + 1, 1 - slot if slots == 2 else slot):
+                    copy.start()
+
+            s = _qk(q, k_buf[slot]) * SCALE
+            tokens = p * PAGE + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            s = jnp.where(tokens < length, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+            alpha, pr = jnp.exp(m - m_new), jnp.exp(s - m_new)
+            acc = alpha * acc + jnp.dot(pr, v_buf[slot], preferred_element_type=jnp.float32)
+            return m_new, alpha * l_sum + pr.sum(axis=1, keepdims=True), acc
+
+        heads, d = q.shape
+        state = (jnp.full((heads, 1), -jnp.inf, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
+                 jnp.zeros((heads, d), jnp.float32))
+        _, l_sum, acc = jax.lax.fori_loop(0, num_pages, step, state)
+        o_ref[...] = (acc / l_sum).astype(o_ref.dtype)
+    return kernel
+
+
+def decode_answer(*, slots=2, wait=True, past_end=False):
+    def decode_step(q, k_pages, v_pages, page_table, lengths, *, interpret):
+        batch, heads, d = q.shape
+        row = pl.BlockSpec((None, heads, d), lambda b, table, lengths: (b, 0, 0))
+        hbm = pl.BlockSpec(memory_space=pl.ANY)
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(batch,), in_specs=[row, hbm, hbm], out_specs=row,
+            scratch_shapes=[pltpu.VMEM((slots, PAGE, d), k_pages.dtype),
+                            pltpu.VMEM((slots, PAGE, d), v_pages.dtype), pltpu.SemaphoreType.DMA((2, 2))])
+        return cap.pallas_call(
+            _decode_kernel(slots=slots, wait=wait, past_end=past_end), grid_spec=grid_spec,
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), compiler_params=_params("parallel"),
+            interpret=interpret, in_names=("q", "k_pages", "v_pages"), out_names=("out",),
+        )(page_table, lengths, q, k_pages, v_pages)
+    return decode_step
+
+
+def _paged_by_the_pipeline(q, k_pages, v_pages, page_table, lengths, *, interpret):
+    """Right values, but the pages come through BlockSpecs (puzzle 12's way), not copied by hand."""
+    batch, heads, d = q.shape
+
+    def kernel(table_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
+        b, p = pl.program_id(0), pl.program_id(1)
+
+        @pl.when(p == 0)
+        def _init():
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        @pl.when(p * PAGE < lengths_ref[b])
+        def _step():
+            s = _qk(q_ref[...], k_ref[...]) * SCALE
+            tokens = p * PAGE + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            s = jnp.where(tokens < lengths_ref[b], s, -jnp.inf)
+            m_new = jnp.maximum(m_ref[...], s.max(axis=1, keepdims=True))
+            alpha, pr = jnp.exp(m_ref[...] - m_new), jnp.exp(s - m_new)
+            l_ref[...] = alpha * l_ref[...] + pr.sum(axis=1, keepdims=True)
+            acc_ref[...] = alpha * acc_ref[...] + jnp.dot(pr, v_ref[...], preferred_element_type=jnp.float32)
+            m_ref[...] = m_new
+
+        @pl.when(p == pl.num_programs(1) - 1)
+        def _write():
+            o_ref[...] = acc_ref[...] / l_ref[...]
+
+    def page_map(b, p, table, lengths):
+        last = jax.lax.div(lengths[b] - 1, PAGE)
+        return table[b, jnp.minimum(p, last)], 0, 0
+
+    row = pl.BlockSpec((None, heads, d), lambda b, p, table, lengths: (b, 0, 0))
+    page = pl.BlockSpec((None, PAGE, d), page_map)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(batch, cap.PAGES_PER_SEQ), in_specs=[row, page, page], out_specs=row,
+        scratch_shapes=[pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
+                        pltpu.VMEM((heads, d), jnp.float32)])
+    return cap.pallas_call(kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                           compiler_params=_params("parallel", "arbitrary"), interpret=interpret,
+                           in_names=("q", "k_pages", "v_pages"), out_names=("out",),
+                           )(page_table, lengths, q, k_pages, v_pages)
+
+
+def test_decode_passes(capsys):
+    _assert_pass(cap.DECODE, decode_answer(), capsys)
+
+
+@pytest.mark.parametrize("answer, message", [
+    (decode_answer(slots=1), "race detected by the interpreter's race detector"),
+    (decode_answer(past_end=True), "out mismatch at index (0, 0, 0): got nan"),
+    (decode_answer(wait=False), "out mismatch at index (0, 0, 0): got nan"),
+    (_paged_by_the_pipeline, "k_pages has a BlockSpec with an index map, so the pipeline copies its pages"),
+], ids=["one slot", "pages past the end", "no wait", "pages by BlockSpec"])
+def test_decode_near_misses_fail_with_their_message(answer, message, capsys):
+    verdict, out = _check(cap.DECODE, answer, capsys)
+    assert verdict is False and out.startswith(f"FAIL {cap.DECODE.name}: "), out
+    assert message in out, out
+
+
+def test_decode_tables_poison_only_what_no_sequence_owns():
+    table, lengths = cap.decode_tables()
+    owned = [table[b, :-(-int(n) // PAGE)] for b, n in enumerate(lengths)]
+    assert all(cap.POISON_PAGE not in pages for pages in owned)
+    assert len(set(np.concatenate(owned).tolist())) == sum(len(p) for p in owned)  # no page shared
+    assert all((table[b, len(p):] == cap.POISON_PAGE).all() for b, p in enumerate(owned))
+    q, k_pages, v_pages, *_ = cap.DECODE.inputs()
+    assert np.isnan(k_pages[cap.POISON_PAGE]).all()
+    assert np.isfinite(np.delete(k_pages, cap.POISON_PAGE, axis=0)).all()
+    assert np.isfinite(cap.decode64(q, k_pages, v_pages, table, lengths)).all()
+
+
+# ---------------------------------------------------------------------------------------------------
 # The oracles, from the formulas: the gradients agree with finite differences of the forward.
 
 def test_the_gradient_oracle_agrees_with_finite_differences():

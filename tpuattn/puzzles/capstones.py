@@ -4,7 +4,9 @@ chapter; vorushin's Pallas puzzles' "configure your own pallas_call").
 F. a causal GQA flash-attention forward with its logsumexp, on a block-skip schedule the learner builds
    (a scalar-prefetch table of the K/V blocks each query block visits); float32, and again in bfloat16;
 G. its backward: the dQ and dK/dV kernels and the ``jax.custom_vjp`` that joins them to the forward,
-   checked through ``jax.grad``.
+   checked through ``jax.grad``;
+H. a decode step that fetches its K/V pages itself, double-buffered (``pltpu.make_async_copy``, DMA
+   semaphores, two VMEM slots), under the interpreter's race detector.
 
 An answer is a function that builds and calls its ``pallas_call`` s (``interpret=`` passed through).
 It calls :func:`pallas_call` here: ``pl.pallas_call`` with the operands' names, which shows the check
@@ -383,9 +385,91 @@ def package_forward(q, k, v, *, interpret=True):
     return out, softmax.to_lse(part)[0][..., None]
 
 
-PUZZLES = (FORWARD, FORWARD_BF16, BACKWARD)
+# ---------------------------------------------------------------------------------------------------
+# H. a decode step over a paged cache, its pages copied by hand: out = decode_step(q, k_pages, v_pages,
+# page_table, lengths, interpret=...). One new token per sequence with DECODE_HEADS query heads sharing
+# one kv head; the cache is a pool of pages k_pages, v_pages [NUM_PAGES, PAGE_SIZE, HEAD_DIM] (left in
+# HBM: memory_space=pl.ANY); sequence b's token t sits in page page_table[b, t // PAGE_SIZE], row
+# t % PAGE_SIZE. Entries of the table past a sequence's last page name POISON_PAGE, whose rows are NaN:
+# a kernel that computes with a page the sequence does not own gets NaN.
 
-__all__ = ["BF16_SEQ", "BLOCK", "Call", "GRAD_SEQ", "GROUP", "HEADS", "HEAD_DIM", "KV_HEADS", "PUZZLES",
-           "SCALE", "SEQ", "attention64", "causal_visible", "gradients64", "package_forward",
-           "pallas_call", "visible_tiles"] + [
-    "BACKWARD", "FORWARD", "FORWARD_BF16"]
+DECODE_HEADS, PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 8, 16, 8, 12
+POISON_PAGE = NUM_PAGES - 1
+DECODE_LENGTHS = (100, 37)   # 7 pages and 3 pages
+
+
+def decode_tables():
+    """``(page_table [B, PAGES_PER_SEQ], lengths [B])`` int32: the pages a sequence owns, handed out in a
+    shuffled order; the rest of its row names :data:`POISON_PAGE`."""
+    order = _rng(24).permutation(POISON_PAGE)
+    table = np.full((len(DECODE_LENGTHS), PAGES_PER_SEQ), POISON_PAGE, np.int32)
+    used = 0
+    for b, length in enumerate(DECODE_LENGTHS):
+        n = -(-length // PAGE_SIZE)
+        table[b, :n] = order[used:used + n]
+        used += n
+    return table, np.asarray(DECODE_LENGTHS, np.int32)
+
+
+def _decode_inputs():
+    rng = _rng(25)
+    q = _normal(rng, (len(DECODE_LENGTHS), DECODE_HEADS, HEAD_DIM), 2.0)
+    k_pages, v_pages = (_normal(rng, (NUM_PAGES, PAGE_SIZE, HEAD_DIM)) for _ in range(2))
+    k_pages[POISON_PAGE] = v_pages[POISON_PAGE] = np.nan
+    return (q, k_pages, v_pages, *decode_tables())
+
+
+def decode64(q, k_pages, v_pages, page_table, lengths):
+    """``out [B, DECODE_HEADS, HEAD_DIM]``: each sequence's query heads attend its ``lengths[b]`` cached
+    tokens, in float64."""
+    q, k_pages, v_pages = _f64(q, k_pages, v_pages)
+    out = np.empty_like(q)
+    for b, length in enumerate(np.asarray(lengths)):
+        k = k_pages[page_table[b]].reshape(-1, q.shape[-1])[:length]
+        v = v_pages[page_table[b]].reshape(-1, q.shape[-1])[:length]
+        p, _ = _head_probabilities(q[b], k, np.ones((q.shape[1], length), bool))
+        out[b] = p @ v
+    return out
+
+
+def _decode_wrap(answer, interpret):
+    def fn(q, k_pages, v_pages, page_table, lengths):
+        return answer(*(jnp.asarray(a) for a in (q, k_pages, v_pages, page_table, lengths)),
+                      interpret=interpret)
+    return fn
+
+
+DECODE_NAME = "H. capstone: decode, pages copied by hand"
+
+def _decode_audit(answer):
+    calls = _LAST.get(DECODE_NAME, [])
+    if len(calls) != 1:
+        return (f"the check saw {len(calls)} launches through capstones.pallas_call; the capstone asks for "
+                "one, named with in_names=(\"q\", \"k_pages\", \"v_pages\")")
+    call = calls[0]
+    for name in ("k_pages", "v_pages"):
+        if name not in call.specs:
+            return f"the launch has no input named {name!r} (in_names= of capstones.pallas_call)"
+        if call.specs[name] is not None:
+            return (f"{name} has a BlockSpec with an index map, so the pipeline copies its pages; the "
+                    "capstone asks the kernel to copy them itself (pl.BlockSpec(memory_space=pl.ANY), "
+                    "pltpu.make_async_copy)")
+    slots = [shape for shape in call.scratch if tuple(shape[-2:]) == (PAGE_SIZE, HEAD_DIM)]
+    if not any(len(shape) == 3 and shape[0] >= 2 for shape in slots):
+        return (f"no VMEM scratch holds two pages ({PAGE_SIZE}, {HEAD_DIM}): with one slot, the copy of "
+                "page p + 1 cannot run while page p is read; give K and V two slots each")
+    return None
+
+
+DECODE = register(Puzzle(
+    DECODE_NAME, _builder(DECODE_NAME, _decode_wrap), _decode_inputs, decode64, rtol=1e-4, atol=1e-5,
+    detect_races=True, audit=_decode_audit, outputs=("out",)))
+
+
+PUZZLES = (FORWARD, FORWARD_BF16, BACKWARD, DECODE)
+
+__all__ = ["BF16_SEQ", "BLOCK", "Call", "DECODE_HEADS", "DECODE_LENGTHS", "GRAD_SEQ", "GROUP", "HEADS",
+           "HEAD_DIM", "KV_HEADS", "NUM_PAGES", "PAGES_PER_SEQ", "PAGE_SIZE", "POISON_PAGE", "PUZZLES",
+           "SCALE", "SEQ", "attention64", "causal_visible", "decode64", "decode_tables", "gradients64",
+           "package_forward", "pallas_call", "visible_tiles"] + [
+    "BACKWARD", "DECODE", "FORWARD", "FORWARD_BF16"]
