@@ -16,24 +16,24 @@
 # %% [markdown]
 # # 03 · A flash-attention kernel in Pallas for TPU
 #
-# Notebook 02 showed that attention can stream over key/value blocks with an online softmax and
-# never hold the `[q_len, kv_len]` score matrix. This notebook answers the next question: **how do
-# you write that loop as a TPU kernel** -- one that keeps its running statistics in on-chip memory,
-# skips the blocks a mask hides without even fetching them, serves grouped-query attention without
-# copying K and V, and has a backward pass -- and how much HBM traffic does its block schedule
-# actually move? We build the kernel in six small steps, each checked at once against
-# `tpuattn.attention(..., impl="reference")`, then switch to the package's kernel
-# (`impl="pallas"`), draw its grid, count its bytes and, on a TPU, time it.
+# Notebook 02 streamed attention over key/value blocks with an online softmax, never holding the
+# `[q_len, kv_len]` score matrix. This notebook answers: **how do you write that loop as a TPU
+# kernel** -- one that keeps its running statistics in on-chip memory, skips the blocks a mask hides
+# without fetching them, serves grouped-query attention without copying K and V, and has a backward
+# pass? We build it in small steps, each checked at once against `tpuattn.attention(...,
+# impl="reference")`, then switch to the package's kernel (`impl="pallas"`), draw its grid, count its
+# HBM bytes and, on a TPU, time it.
 #
 # **What you'll do**
 #
 # 1. Write a one-block `pallas_call` and check it.
 # 2. Add a grid and `BlockSpec`s; meet the (8, 128) tile rule -- and break it on purpose.
-# 3. Add the key/value axis, float32 VMEM scratch and the online softmax.
+# 3. Add the key/value axis, float32 VMEM scratch and the online softmax; (3b) size the blocks.
 # 4. Add the causal mask, skip hidden blocks with `pl.when` and clamp the index maps so they fetch nothing.
 # 5. Serve GQA/MQA through the index maps alone; then (5b) build the block schedule as NumPy tables,
 #    pass them to SMEM with scalar prefetch, and shrink the grid to the blocks a mask leaves visible.
-# 6. Derive the FlashAttention-2 backward and check the package's gradients.
+# 6. Derive the FlashAttention-2 backward and check the package's gradients; (6b) weigh its two
+#    ways of computing `delta`.
 # 7. Draw the grid the package's kernel visits, count its HBM bytes, and (on a TPU) measure its speed.
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/03_pallas_kernel.ipynb)
@@ -57,6 +57,8 @@ if "google.colab" in sys.modules:
             "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
 
 # %% tags=["nbval-ignore-output"]
+import os
+
 import tpuattn
 from tpuattn.exercises import run_checks
 from tpuattn.measure import runtime
@@ -77,14 +79,18 @@ BENCH_SEQ_LENS = (1024, 2048, 4096)  # TPU timing: sequence lengths
 BENCH_BATCH = 4  # TPU timing: batch (bfloat16 inputs)
 BENCH_HEADS = 8  # TPU timing: heads
 BENCH_HEAD_DIM = 128  # TPU timing: head dimension
+# The hidden solution cells run only when this is True, so Run All shows your own results alone.
+# The project's CI sets it (TPUATTN_RUN_SOLUTIONS=1): the committed outputs include the solutions'.
+RUN_SOLUTIONS = os.environ.get("TPUATTN_RUN_SOLUTIONS") == "1"
 
 # %% [markdown]
 # ## Setup
 #
-# Pallas kernels written for TPU (`jax.experimental.pallas.tpu`) compile with Mosaic on a TPU. On any
-# other backend `pallas_call(..., interpret=True)` runs the same kernel body as ordinary JAX
-# operations, one grid step after another: the numbers are the kernel's numbers, but the **timings
-# say nothing about TPU speed**. `INTERPRET` below is `True` everywhere except on a TPU.
+# Pallas kernels written for TPU (`jax.experimental.pallas.tpu`) are compiled by **Mosaic**, the TPU
+# kernel compiler inside libtpu: JAX *lowers* the kernel into Mosaic's own program, libtpu compiles
+# it. On any other backend `pallas_call(..., interpret=True)` runs the same kernel body as ordinary
+# JAX operations, one grid step after another: the numbers are the kernel's numbers, but the
+# **timings say nothing about TPU speed**. `INTERPRET` below is `True` everywhere except on a TPU.
 
 # %%
 import functools
@@ -141,14 +147,9 @@ def lowers_for_tpu(fn, *args):
 
 
 # %% [markdown]
-# **Tolerances used below.** Float32 kernels are compared at `2e-5` (absolute and relative): both
-# sides compute in float32 (machine epsilon 1.2e-7) with unit-size inputs and outputs, and the kernel
-# only changes the *order* of operations -- blockwise maxima and rescaled partial sums instead of one
-# softmax -- which costs a few ulps per block, far below `2e-5`. The float64-oracle suite in `tests/`
-# uses the same bound. Bfloat16 uses `2e-2`: bfloat16 keeps 8 significant bits (epsilon 7.8e-3),
-# and both sides round the probabilities to bfloat16 before multiplying by V. Gradients use `1e-4`:
-# the backward pass recomputes the probabilities from the saved logsumexp and sums over every row
-# of a block, so its float32 rounding accumulates over more terms.
+# **Tolerances.** Float32 kernels are compared at `2e-5` (absolute and relative): a kernel only
+# changes the *order* of float32 operations, a few ulps per block. Bfloat16 uses `2e-2` (8
+# significant bits); gradients `1e-4` (their float32 sums run over more terms).
 
 # %% [markdown]
 # ## Step 1 · One block
@@ -208,18 +209,10 @@ check("step 1, one block (float32)", one_block_attention(q1, k1, v1), want, 2e-5
 #
 # > **Why 128 and 8.** A TPU vector register is a tile of **8 sublanes x 128 lanes** of 32-bit
 # > values; VMEM is laid out in those tiles. The last dimension of a block maps to lanes, the one
-# > before to sublanes. Mosaic therefore requires the **last two dimensions of every block to be
-# > divisible by 8 and 128** -- or to equal the array's full dimensions. Head dimension 64 passes only
-# > by that escape clause (the block spans the whole dimension) and then fills half of each
-# > register's lanes. A heads-first layout pads `head_dim` to a multiple of 128 for that reason; the
-# > package's kernel instead pairs two heads of 64 in one 128-lane tile (later in this notebook). The
-# > MXU multiplies 128 x 128 tiles (256 x 256 on v6e, https://cloud.google.com/tpu/docs/v6e), another
-# > reason blocks come in multiples of 128.
-# > A bfloat16 value is 16 bits, so two rows share each 32-bit sublane: the compiler lays bfloat16
-# > arrays out as `T(8,128)(2,1)`, an (8, 128) tile of 32-bit words each holding two rows, so the
-# > native bfloat16 tile is **(16, 128)** ("How to Scale Your Model", the profiling chapter,
-# > https://jax-ml.github.io/scaling-book/profiling/). Pallas's block rule still says 8 for every
-# > dtype; a bfloat16 block of fewer than 16 rows fills only part of a packed tile.
+# > before to sublanes. Pallas's TPU lowering therefore requires the **last two dimensions of every
+# > block to be divisible by 8 and 128** -- or to equal the array's full dimensions. Head dimension
+# > 64 passes only by that escape clause (the block spans the whole dimension) and then fills half of
+# > each register's lanes. (bfloat16's packed tiles and the MXU's width: step 3b.)
 #
 # `pl.squeezed` (written `None` in older code) drops the batch and head dimensions from the block,
 # so the kernel body sees 2-D `[block, head_dim]` tiles. Below, K and V are still whole sequences per
@@ -267,7 +260,7 @@ check("step 2, grid over (batch, heads, q blocks)", grid_attention(q, k, v),
 # %% [markdown]
 # **Break the tile rule on purpose.** Interpret mode does not enforce the (8, 128) rule -- it is
 # plain JAX -- so a kernel with `block_q = 4` would "work" on a laptop and then fail to compile on
-# the TPU. We can still see the TPU's verdict here: `lowers_for_tpu` runs Pallas's Mosaic lowering
+# the TPU. We can still see the TPU's verdict here: `lowers_for_tpu` runs Pallas's lowering to Mosaic
 # (the first stage of TPU compilation, which performs these checks) without a TPU.
 
 # %%
@@ -281,12 +274,13 @@ for block_q in (BLOCK_Q, 8, 4):
 # `block_q = 8` is legal (8 sublanes); `block_q = 4` is not. But **lowering is not compiling**:
 # lowering checks the shapes and the operations Mosaic accepts, not whether the kernel fits the
 # chip. Each grid step of this version still holds **all** of K and V in VMEM: at 32k tokens,
-# head_dim 128, bfloat16 that is 2 x 8 MiB before the Q block, the output and the temporaries --
-# more than the 16 MiB of scoped VMEM a kernel gets on a v5e by default. Lowering cannot see that;
-# the TPU compiler can, and it runs on this machine
-# when `libtpu` is installed (`pip install "jax[tpu]"`, which brings compile-only TPU devices:
-# nothing runs on a TPU). `tpuattn.measure.aot.compile_for` compiles any function for one device of
-# a chip. Every result below is **compiled for TPU v5e, not run**.
+# head_dim 128, bfloat16 that is 2 x 8 MiB before the Q block, the output and the temporaries. A
+# kernel gets a **scoped** share of VMEM, a limit the compiler sets for each kernel unless the kernel
+# asks for more (`pltpu.CompilerParams(vmem_limit_bytes=...)`); the compiler's message below gives
+# v5e's. Lowering cannot see that; the TPU compiler can, and it runs on this machine when `libtpu` is
+# installed (`pip install "jax[tpu]"`: compile-only TPU devices, nothing runs on a TPU).
+# `tpuattn.measure.aot.compile_for` compiles a function for one device of a chip. Every result below
+# is **compiled for TPU v5e, not run**.
 
 # %% tags=["nbval-ignore-output"]
 from tpuattn.measure import aot
@@ -307,9 +301,9 @@ if COMPILER:
             print(f"{name}, 32k tokens: the TPU compiler says\n  {aot.first_error_line(error)}")
 
 # %% [markdown]
-# Lowering said "ok" for this kernel; the compiler refuses it for running out of scoped VMEM. The
-# size in its message is that of the one scoped allocation that did not fit under the limit, not the
-# kernel's total VMEM, so do not read it as the kernel's need. Next we block K and V too.
+# Lowering said "ok" for this kernel; the compiler refuses it for running out of scoped VMEM (the
+# size in its message is one allocation that did not fit, not the kernel's total). Next we block K
+# and V too.
 
 # %% [markdown]
 # ## Step 3 · The key/value axis, VMEM scratch and the online softmax
@@ -327,12 +321,10 @@ if COMPILER:
 # > **Why float32 scratch.** `l` adds up to `kv_len` terms and `acc` as many rescaled rows; in
 # > bfloat16 (8 significant bits) a running sum stops growing once it is ~256x larger than what is
 # > added, so long rows lose most of their mass. The MXU accumulates in float32 anyway
-# > (`preferred_element_type`), and scratch is small, so it costs little. (On a TPU a `(block_q, 1)`
-# > float32 buffer still occupies whole `(8, 128)` tiles, so the package keeps `m` and `l` 128 lanes
-# > wide: `block_q x (D + 256)` floats, 0.75 MiB at 512 x 128.)
+# > (`preferred_element_type`), and scratch is small, so it costs little.
 # >
 # > **Why the kv axis is `arbitrary`.** `dimension_semantics` tells Mosaic which grid axes are
-# > independent (`parallel`: it may split them across the TensorCores of a megacore chip, v4/v5p)
+# > independent (`parallel`: it may split them across the two TensorCores of a megacore chip, v4/v5p)
 # > and which carry state from step to step (`arbitrary`: run in order, on one core). The scratch
 # > carries `m, l, acc` from one kv step to the next, so the kv axis must be `arbitrary` -- and
 # > the **last** grid axis, so that all kv steps of one query block run back to back.
@@ -422,12 +414,26 @@ check("step 3, online softmax over kv blocks", flash_attention(q, k, v),
       reference(q, k, v), 2e-5)
 
 # %% [markdown]
-# **Which `block_kv` does the tile rule allow?** In the K and V blocks, `[block_kv, head_dim]`,
-# `block_kv` is the *sublane* dimension, so the rule asks only for a multiple of 8. It is the *lane*
-# dimension of the float32 score tile `[block_q, block_kv]`, where fewer than 128 keys leave lanes
-# empty: that is why the package's blocks are multiples of 128 (`tpuattn.pallas.ForwardBlocks`
-# refuses others) -- a choice for speed, not the tile rule. The compiler settles it, for float32 and
-# for bfloat16 with its packed (16, 128) tile:
+# ## Step 3b · Block sizes: the tile rule per dtype, VMEM and the compiler
+#
+# Which blocks may the kernel take, and which should it? Three constraints answer it, each with a
+# judge.
+#
+# **The tile rule, per dtype.** A bfloat16 value is 16 bits, so two rows share each 32-bit sublane:
+# the compiler lays bfloat16 arrays out as `T(8,128)(2,1)`, an (8, 128) tile of 32-bit words each
+# holding two rows, so the native bfloat16 tile is **(16, 128)** ("How to Scale Your Model", the
+# profiling chapter, https://jax-ml.github.io/scaling-book/profiling/; notebook 11 prints the layouts).
+# Pallas's block rule still says 8 for every dtype; a bfloat16 block of fewer than 16 rows fills only
+# part of a packed tile. The MXU multiplies 128 x 128 tiles (256 x 256 on v6e,
+# https://cloud.google.com/tpu/docs/v6e), another reason blocks come in multiples of 128. A
+# heads-first layout pads `head_dim` to a multiple of 128; the package's kernel instead pairs two
+# heads of 64 in one 128-lane tile (below, "The package's kernel").
+#
+# **Which `block_kv`?** In the K and V blocks, `[block_kv, head_dim]`, `block_kv` is the *sublane*
+# dimension, so the rule asks only for a multiple of 8. It is the *lane* dimension of the float32
+# score tile `[block_q, block_kv]`, where fewer than 128 keys leave lanes empty: that is why the
+# package's blocks are multiples of 128 (`tpuattn.pallas.ForwardBlocks` refuses others) -- a choice
+# for speed, not the tile rule. The compiler settles it, for float32 and for bfloat16:
 
 # %%
 if COMPILER:
@@ -447,14 +453,17 @@ if COMPILER:
 #
 # **VMEM budget and block sizes.** Per grid step the kernel holds the Q, K, V blocks and the output
 # block -- each double-buffered by the pipeline -- plus the float32 scratch and the float32
-# `[block_q, block_kv]` temporaries (`s`, `p` and, from step 4 on, the mask). The package writes
-# that sum down once, `tpuattn.pallas.forward_vmem_bytes`. The model is a planning estimate; the
-# judge is the TPU compiler. `python -m tpuattn.aot --blocks` compiled the kernels with every pair
-# of blocks from 128 to 1024 for every chip (at Mosaic's default scoped VMEM limit); the table ships
-# with the package, and on a TPU the default blocks come from it: the largest accepted pair up to
-# 512, or 1024 where the chip's ridge point exceeds 512 FLOP/byte. Off a TPU (interpret mode) the
-# budget rule picks: the largest blocks whose modelled need fits an eighth of the VMEM, at most
-# 16 MiB.
+# `[block_q, block_kv]` temporaries (`s`, `p` and, from step 4 on, the mask). On a TPU a
+# `(block_q, 1)` float32 buffer still occupies whole `(8, 128)` tiles, so the package keeps `m` and
+# `l` 128 lanes wide. The package writes that sum down once, `tpuattn.pallas.forward_vmem_bytes`. The
+# model is a planning estimate; the judge is the TPU compiler. `python -m tpuattn.aot --blocks`
+# compiled the kernels with every pair of blocks from 128 to 1024 for every chip (at Mosaic's default
+# scoped VMEM limit); the table ships with the package, and on a TPU the default blocks come from it:
+# the largest accepted pair up to 512, or 1024 where the chip's **ridge point** exceeds 512 FLOP/byte
+# (its peak FLOP/s over its HBM bytes/s: the FLOPs per byte a kernel must do to be limited by the MXU
+# rather than by memory; notebook 05). Off a TPU (interpret mode) the budget rule picks: the largest
+# blocks of 512, 256 or 128 (`block_kv` at most `block_q`) whose modelled need fits an eighth of the
+# VMEM, at most 16 MiB -- so never 1024 x 1024, whose need is printed below.
 
 # %%
 from tpuattn import chips as chip_table
@@ -468,6 +477,7 @@ for bq, bk in ((128, 128), (256, 256), (512, 512), (1024, 1024)):
     print(f"  {bq:>4} x {bk:<4}: {need / MIB:6.2f} MiB")
 print(f"  of which the float32 scratch (acc; m, l 128 lanes wide) at block_q 512, head_dim 128: "
       f"{512 * (128 + 2 * 128) * 4 / MIB:.2f} MiB")
+print("budget rule's candidates:", pallas_blocks.CANDIDATES)
 table = pallas_blocks.compiled_table()
 print(f"defaults, bfloat16, head_dim 128 (compiled table: JAX {table['jax_version']}, "
       f"libtpu {table['libtpu_version']})")
@@ -477,9 +487,10 @@ for name in ("v4", "v5e", "v5p", "v6e", "tpu7x"):
     compiled = pallas_blocks.default_block_sizes(128, jnp.bfloat16, chip=name).forward
     accepted = pallas_blocks.compiled_pairs(name, "forward", 128, jnp.bfloat16)
     largest = max(accepted, key=lambda pair: pair[0] * pair[1])
+    share = pallas_blocks.vmem_budget_bytes(chip.vmem_bytes) / MIB
     print(f"  {name:<6} VMEM {chip.vmem_bytes / MIB:4.0f} MiB: budget rule {budget.block_q} x "
-          f"{budget.block_kv}; compiler accepts up to {largest[0]} x {largest[1]}; "
-          f"default {compiled.block_q} x {compiled.block_kv}")
+          f"{budget.block_kv} (budget {share:.0f} MiB); compiler accepts up to {largest[0]} x "
+          f"{largest[1]}; default {compiled.block_q} x {compiled.block_kv}")
 
 # %% [markdown]
 # The `[block_q, block_kv]` float32 temporaries grow fastest (12 bytes per score): doubling both
@@ -866,13 +877,8 @@ print("  Mosaic lowering of the scheduled kernel:", verdict)
 # $\delta_i = \sum_j P_{ij}\,dP_{ij}$. Since $dP = dO\,V^T$ and $O = P V$, in exact arithmetic
 # $\delta_i = \sum_j P_{ij} \sum_d dO_{id} V_{jd} = \sum_d dO_{id}\,O_{id}$: **`rowsum(P * dP)` equals
 # `rowsum(dO * O)`**, and the second needs no `P`, which is why FlashAttention and JAX's TPU kernels
-# compute it from the output. In floating point they differ: `O` is rounded (to bfloat16, say) before
-# it is saved, while $dP - \delta$ must cancel to a few ulps on a nearly one-hot row (where $dS$ is
-# tiny). From the bfloat16-rounded `O` it does not cancel, and the gradients of such rows come out far
-# worse than autodiff of the materialised reference (the package's tests build such rows). So this
-# package, by default, sums $\delta$ = `rowsum(P * dP)` from the same recomputed tiles the backward
-# uses; `backward="fast"` takes `rowsum(dO * O)` instead, with `O` kept in float32 from the forward's
-# accumulator (the cell after the gradient check compares the two).
+# compute it from the output. In floating point the two differ: which one should a kernel use?
+# (Step 6b answers with numbers.)
 #
 # `P` itself is never stored: the forward saves the float32 **logsumexp** of each row,
 # `lse = m + log(l)` (the package keeps its two terms, `m` and `log l`, so that large logits lose no
@@ -894,19 +900,10 @@ print("  Mosaic lowering of the scheduled kernel:", verdict)
 #   float32 scratch (four matmuls); for GQA it also loops over the query heads of the group, so the
 #   sum over the group happens in scratch and each kv head's dK/dV is written once.
 #
-# **The FLOP count.** The forward is two matmuls per tile ($QK^T$, $PV$). The classic two-kernel
-# backward recomputes $S$ in both kernels and adds $dP$, $dV$, $dK$ (dK/dV kernel) and $dP$, $dQ$
-# (dQ kernel): 7 matmuls, 3.5x the forward -- or 5 matmuls, the "2.5x the forward" usually quoted,
-# when $S$ and $dP$ are computed once (one fused kernel, as FlashAttention-2 on a GPU). The row-sum
-# pass adds 2 more: the default backward executes 9 matmuls per visited tile, 4.5x the forward, and
-# pays them on every input, not only on the rows that need them; `backward="fast"` drops the pass and
-# executes 7. The cell after the gradient check counts both from the kernels' own jaxprs and measures
-# what the two cost in accuracy. Notebook 05's roofline counts the default's matmuls and prints this
-# kernel's forward and backward beside splash's.
-#
-# Both reuse the forward's block schedule (transposed for dK/dV), so masked tiles are skipped in the
-# backward too. The package wires forward and backward together with `jax.custom_vjp`; here we
-# check its gradients against autodiff through the reference:
+# All three reuse the forward's block schedule (transposed for dK/dV), so masked tiles are skipped in the
+# backward too. The package wires forward and backward together with `jax.custom_vjp`, which gives a
+# function a hand-written backward that `jax.grad` calls instead of differentiating the forward's
+# operations; here we check its gradients against autodiff through the reference:
 
 # %%
 def loss(attend, q, k, v):
@@ -926,6 +923,26 @@ grads_ref = jax.jit(jax.grad(functools.partial(loss, reference_causal), argnums=
 # %% tags=["nbval-ignore-output"]
 for name, got, want in zip(("dQ", "dK", "dV"), grads, grads_ref, strict=True):
     check(f"step 6, package backward {name} (causal GQA)", got, want, 1e-4)
+
+# %% [markdown]
+# ## Step 6b · Which delta, and what the backward costs
+#
+# **Which delta.** `O` is rounded (to bfloat16, say) before it is saved, while $dP - \delta$ must
+# cancel to a few ulps on a nearly one-hot row (where $dS$ is tiny). From the bfloat16-rounded `O` it
+# does not cancel, and the gradients of such rows come out far worse than autodiff of the
+# materialised reference (the package's tests build such rows). So this package, by default, sums
+# $\delta$ = `rowsum(P * dP)` from the same recomputed tiles the backward uses; `backward="fast"`
+# takes `rowsum(dO * O)` instead, with `O` kept in float32 from the forward's accumulator.
+#
+# **The FLOP count.** The forward is two matmuls per tile ($QK^T$, $PV$). The classic two-kernel
+# backward recomputes $S$ in both kernels and adds $dP$, $dV$, $dK$ (dK/dV kernel) and $dP$, $dQ$
+# (dQ kernel): 7 matmuls, 3.5x the forward -- or 5 matmuls, the "2.5x the forward" usually quoted,
+# when $S$ and $dP$ are computed once (one fused kernel, as FlashAttention-2 on a GPU). The row-sum
+# pass adds 2 more: the default backward executes 9 matmuls per visited tile, 4.5x the forward, and
+# pays them on every input, not only on the rows that need them; `backward="fast"` drops the pass and
+# executes 7. The cells below count both from the kernels' own jaxprs and measure what the two cost
+# in accuracy. Notebook 05's roofline counts the default's matmuls and prints this kernel's forward
+# and backward beside splash's.
 
 # %%
 from tpuattn.numerics import x64
@@ -1274,8 +1291,9 @@ else:
 # `check_exercises` with your functions). Kernels run in interpret mode here and are checked against
 # `tpuattn.attention(..., impl="reference")`. Worked solutions are in the hidden cell at the end of the
 # notebook, which runs the same checks on them. To write this notebook's kernel yourself, one piece at
-# a time (the matmul's accumulator, the online softmax, the causal clamp, the scalar-prefetch table,
-# GQA's folded rows, two bugs to find), each checked at once and compiled for v5e, work through
+# a time (the matmul's accumulator, the online softmax, the causal clamp, an index map that reads a
+# scalar-prefetch table, GQA's folded rows, two bugs to find), each checked at once and compiled for
+# v5e, work through
 # [08 · Puzzles, forward](08_puzzles_forward.ipynb). Easier first:
 #
 # 1. **VMEM arithmetic** (★☆☆, 10 min). Write the forward's VMEM bytes per grid step for `block_q,
@@ -1415,110 +1433,109 @@ progress = check_exercises(forward_vmem=forward_vmem, causal_fetches=causal_fetc
 
 # %% [markdown]
 # ## Solutions
+#
+# The cell below is collapsed: open it after trying the exercises. It runs the same checks on the
+# solutions, but only when `RUN_SOLUTIONS = True` (the parameters cell; the project's CI sets it), so
+# Run All shows your own results alone.
 
-# %% jupyter={"source_hidden": true} tags=["solution", "hide-input"]
-def forward_vmem(block_q, block_kv, head_dim, itemsize):
-    blocks = 2 * (block_q + 2 * block_kv) * head_dim * itemsize  # Q, K, V double-buffered
-    out = 2 * block_q * head_dim * itemsize  # O double-buffered
-    scratch = 4 * block_q * (head_dim + 2 * 128)  # acc, m, l in float32 (m, l 128 lanes wide)
-    temps = 3 * 4 * block_q * block_kv  # s, p, mask in float32
-    return blocks + out + scratch + temps
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solutions: open after trying the exercises (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def forward_vmem(block_q, block_kv, head_dim, itemsize):
+        blocks = 2 * (block_q + 2 * block_kv) * head_dim * itemsize  # Q, K, V double-buffered
+        out = 2 * block_q * head_dim * itemsize  # O double-buffered
+        scratch = 4 * block_q * (head_dim + 2 * 128)  # acc, m, l in float32 (m, l 128 lanes wide)
+        temps = 3 * 4 * block_q * block_kv  # s, p, mask in float32
+        return blocks + out + scratch + temps
 
+    def causal_fetches(n):
+        # q block i visits kv blocks 0..i: n(n+1)/2 steps compute; each fetches, except that
+        # q block 1 starts on kv block 0, where q block 0 ended (for n >= 2).
+        return n * (n + 1) // 2 - (1 if n >= 2 else 0)
 
-def causal_fetches(n):
-    # q block i visits kv blocks 0..i: n(n+1)/2 steps compute; each fetches, except that
-    # q block 1 starts on kv block 0, where q block 0 ended (for n >= 2).
-    return n * (n + 1) // 2 - (1 if n >= 2 else 0)
+    def window_kv_index(qi, kj, *, block_q, block_kv, left):
+        first = max(qi * block_q - left, 0) // block_kv
+        last = ((qi + 1) * block_q - 1) // block_kv
+        return min(first + kj, last)  # past the band: the last visible block again (no new DMA)
 
+    # Exercises 4 and 5 change the same kernel in two places, so one kernel answers both.
+    def solution_kernel(q_ref, k_ref, v_ref, o_ref, *rest, scale, causal, block_q, block_kv, offset, cap,
+                        with_lse):
+        lse_ref, (m_scr, l_scr, acc_scr) = (rest[0], rest[1:]) if with_lse else (None, rest)
+        qi, kj = pl.program_id(2), pl.program_id(3)
 
-def window_kv_index(qi, kj, *, block_q, block_kv, left):
-    first = max(qi * block_q - left, 0) // block_kv
-    last = ((qi + 1) * block_q - 1) // block_kv
-    return min(first + kj, last)  # past the band: the last visible block again (no new DMA)
+        @pl.when(kj == 0)
+        def _init():
+            m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+            l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+            acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
+        def update():
+            s = jax.lax.dot_general(q_ref[...], k_ref[...], NT, precision=matmul_precision(q_ref.dtype),
+                                    preferred_element_type=jnp.float32) * scale
+            if cap is not None:  # exercise 4: after the scale, before the mask
+                s = cap * jnp.tanh(s / cap)
+            if causal:
+                rows = qi * block_q + offset + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+                cols = kj * block_kv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+                s = jnp.where(cols <= rows, s, MASK_VALUE)
+            online_softmax_update(s, v_ref, m_scr, l_scr, acc_scr)
 
-# Exercises 4 and 5 change the same kernel in two places, so one kernel answers both.
-def solution_kernel(q_ref, k_ref, v_ref, o_ref, *rest, scale, causal, block_q, block_kv, offset, cap,
-                    with_lse):
-    lse_ref, (m_scr, l_scr, acc_scr) = (rest[0], rest[1:]) if with_lse else (None, rest)
-    qi, kj = pl.program_id(2), pl.program_id(3)
-
-    @pl.when(kj == 0)
-    def _init():
-        m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
-        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
-
-    def update():
-        s = jax.lax.dot_general(q_ref[...], k_ref[...], NT, precision=matmul_precision(q_ref.dtype),
-                                preferred_element_type=jnp.float32) * scale
-        if cap is not None:  # exercise 4: after the scale, before the mask
-            s = cap * jnp.tanh(s / cap)
         if causal:
-            rows = qi * block_q + offset + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-            cols = kj * block_kv + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            s = jnp.where(cols <= rows, s, MASK_VALUE)
-        online_softmax_update(s, v_ref, m_scr, l_scr, acc_scr)
+            pl.when(kj * block_kv <= qi * block_q + block_q - 1 + offset)(update)
+        else:
+            update()
 
-    if causal:
-        pl.when(kj * block_kv <= qi * block_q + block_q - 1 + offset)(update)
-    else:
-        update()
+        @pl.when(kj == pl.num_programs(3) - 1)
+        def _write():
+            o_ref[...] = (acc_scr[...] / l_scr[...]).astype(o_ref.dtype)
+            if with_lse:  # exercise 5: m + log(l), the same value in all 128 lanes
+                lse_ref[...] = jnp.broadcast_to(m_scr[...] + jnp.log(l_scr[...]), lse_ref.shape)
 
-    @pl.when(kj == pl.num_programs(3) - 1)
-    def _write():
-        o_ref[...] = (acc_scr[...] / l_scr[...]).astype(o_ref.dtype)
-        if with_lse:  # exercise 5: m + log(l), the same value in all 128 lanes
-            lse_ref[...] = jnp.broadcast_to(m_scr[...] + jnp.log(l_scr[...]), lse_ref.shape)
+    def solution_call(q, k, v, *, causal, cap=None, with_lse=False, block_q=BLOCK_Q, block_kv=BLOCK_KV):
+        b, tq, hq, d = q.shape
+        _, tk, hkv, _ = k.shape
+        group, offset, squeeze = hq // hkv, tk - tq, pl.squeezed
 
+        def q_map(bi, hi, qi, kj):
+            return (bi, hi, qi, 0)
 
-def solution_call(q, k, v, *, causal, cap=None, with_lse=False, block_q=BLOCK_Q, block_kv=BLOCK_KV):
-    b, tq, hq, d = q.shape
-    _, tk, hkv, _ = k.shape
-    group, offset, squeeze = hq // hkv, tk - tq, pl.squeezed
+        def kv_map(bi, hi, qi, kj):
+            if causal:
+                kj = jnp.minimum(kj, jax.lax.div(qi * block_q + block_q - 1 + offset, block_kv))
+            return (bi, jax.lax.div(hi, group), kj, 0)
 
-    def q_map(bi, hi, qi, kj):
-        return (bi, hi, qi, 0)
+        out_specs = [pl.BlockSpec((squeeze, squeeze, block_q, d), q_map)]
+        out_shape = [jax.ShapeDtypeStruct((b, hq, tq, d), q.dtype)]
+        if with_lse:  # a (block_q, 128) float32 block: lane-wide, so it obeys the tile rule
+            out_specs.append(pl.BlockSpec((squeeze, squeeze, block_q, 128), q_map))
+            out_shape.append(jax.ShapeDtypeStruct((b, hq, tq, 128), jnp.float32))
+        kernel = functools.partial(solution_kernel, scale=d ** -0.5, causal=causal, block_q=block_q,
+                                   block_kv=block_kv, offset=offset, cap=cap, with_lse=with_lse)
+        results = pl.pallas_call(
+            kernel,
+            grid=(b, hq, tq // block_q, tk // block_kv),
+            in_specs=[pl.BlockSpec((squeeze, squeeze, block_q, d), q_map),
+                      pl.BlockSpec((squeeze, squeeze, block_kv, d), kv_map),
+                      pl.BlockSpec((squeeze, squeeze, block_kv, d), kv_map)],
+            out_specs=out_specs,
+            out_shape=out_shape,
+            scratch_shapes=[pltpu.VMEM((block_q, 1), jnp.float32), pltpu.VMEM((block_q, 1), jnp.float32),
+                            pltpu.VMEM((block_q, d), jnp.float32)],
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+            interpret=INTERPRET,
+        )(to_bhtd(q), to_bhtd(k), to_bhtd(v))
+        out = to_bhtd(results[0])
+        return (out, results[1][..., 0]) if with_lse else out
 
-    def kv_map(bi, hi, qi, kj):
-        if causal:
-            kj = jnp.minimum(kj, jax.lax.div(qi * block_q + block_q - 1 + offset, block_kv))
-        return (bi, jax.lax.div(hi, group), kj, 0)
+    def softcap_flash_attention(q, k, v, *, cap, causal=False):
+        return solution_call(q, k, v, causal=causal, cap=cap)
 
-    out_specs = [pl.BlockSpec((squeeze, squeeze, block_q, d), q_map)]
-    out_shape = [jax.ShapeDtypeStruct((b, hq, tq, d), q.dtype)]
-    if with_lse:  # a (block_q, 128) float32 block: lane-wide, so it obeys the tile rule
-        out_specs.append(pl.BlockSpec((squeeze, squeeze, block_q, 128), q_map))
-        out_shape.append(jax.ShapeDtypeStruct((b, hq, tq, 128), jnp.float32))
-    kernel = functools.partial(solution_kernel, scale=d ** -0.5, causal=causal, block_q=block_q,
-                               block_kv=block_kv, offset=offset, cap=cap, with_lse=with_lse)
-    results = pl.pallas_call(
-        kernel,
-        grid=(b, hq, tq // block_q, tk // block_kv),
-        in_specs=[pl.BlockSpec((squeeze, squeeze, block_q, d), q_map),
-                  pl.BlockSpec((squeeze, squeeze, block_kv, d), kv_map),
-                  pl.BlockSpec((squeeze, squeeze, block_kv, d), kv_map)],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((block_q, 1), jnp.float32), pltpu.VMEM((block_q, 1), jnp.float32),
-                        pltpu.VMEM((block_q, d), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=INTERPRET,
-    )(to_bhtd(q), to_bhtd(k), to_bhtd(v))
-    out = to_bhtd(results[0])
-    return (out, results[1][..., 0]) if with_lse else out
+    def flash_attention_with_lse(q, k, v, *, causal=False):
+        return solution_call(q, k, v, causal=causal, with_lse=True)
 
-
-def softcap_flash_attention(q, k, v, *, cap, causal=False):
-    return solution_call(q, k, v, causal=causal, cap=cap)
-
-
-def flash_attention_with_lse(q, k, v, *, causal=False):
-    return solution_call(q, k, v, causal=causal, with_lse=True)
-
-
-done = check_exercises(forward_vmem=forward_vmem, causal_fetches=causal_fetches,
-                       window_kv_index=window_kv_index, softcap_flash_attention=softcap_flash_attention,
-                       flash_attention_with_lse=flash_attention_with_lse)
-assert all(done.values()), done
+    done = check_exercises(forward_vmem=forward_vmem, causal_fetches=causal_fetches,
+                           window_kv_index=window_kv_index, softcap_flash_attention=softcap_flash_attention,
+                           flash_attention_with_lse=flash_attention_with_lse)
+    assert all(done.values()), done
