@@ -54,6 +54,8 @@ if "google.colab" in sys.modules:
             "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
 
 # %% tags=["nbval-ignore-output"]
+import os
+
 import tpuattn
 from tpuattn.measure import runtime
 
@@ -75,6 +77,9 @@ TIMING_HEADS, TIMING_HEAD_DIM = 4, 64
 # Modelled TPU for the decision guide (tpuattn.roofline).
 MODEL_CHIP = "v5e"
 MODEL_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+# The hidden solution cells run only when this is True, so Run All shows your own results alone.
+# The project's CI sets it (TPUATTN_RUN_SOLUTIONS=1): the committed outputs include the solutions'.
+RUN_SOLUTIONS = os.environ.get("TPUATTN_RUN_SOLUTIONS") == "1"
 
 # %%
 import dataclasses
@@ -533,7 +538,48 @@ for length in TIMING_LENGTHS:
                                        for impl in measured_impls))
 
 # %% [markdown]
-# **A third native path: tokamax.** Google's kernel library for JAX, tokamax
+# **The rule, as code.** `impl="auto"` calls `tpuattn.choose(spec, backend)` (or
+# `choose_implementation` for the name alone); its docstring and each implementation's `auto_rank`
+# carry the evidence. Every registered, available implementation that *supports the input* offers a
+# rank, and the lowest wins (so `softcap` skips `xla`, float16 skips `splash`), with `reference`
+# last:
+#
+# * **TPU**: `splash` when `q_len >= 128` and `kv_len >= 512` (`tpuattn.supports.long_enough_for_flash`:
+#   below one 128-row query tile a flash kernel pads most of its tile), else `xla`, which also serves
+#   decoding (`q_len < 128`). The threshold sits below the modelled crossover printed above; the
+#   rule's docstring rests it on the compiled peak HBM (the right panel), where splash needs a
+#   fraction of xla's memory at every length in the report.
+# * **GPU**: `xla`, which uses cuDNN's fused kernel when the case allows.
+# * **CPU**: `xla`, unless its float32 score matrix would pass 1 GiB (the rule's constant); then
+#   `blockwise`: on a CPU it is memory, not speed, that makes the switch (the measured panel above
+#   shows how the speeds compare on this machine).
+
+# %%
+shapes = [
+    ("decode 1 x 8192", dict(q_len=1, kv_len=8192, causal=True)),
+    ("prefill 256", dict(q_len=256, kv_len=256, causal=True)),
+    ("train 4096", dict(q_len=4096, kv_len=4096, causal=True)),
+    ("train 4096 + softcap", dict(q_len=4096, kv_len=4096, causal=True, softcap=50.0)),
+    ("train 32768, 8 heads", dict(q_len=32768, kv_len=32768, causal=True, heads=8)),
+]
+
+
+def spec_for(q_len, kv_len, heads=4, causal=True, softcap=None):
+    # Only shapes, dtype and mask matter to the rule: roofline.problem builds a spec without arrays.
+    spec = roofline.problem(q_len, kv_len=kv_len, heads=heads, head_dim=128, dtype="bfloat16", causal=causal)
+    return dataclasses.replace(spec, softcap=softcap)
+
+
+print(f"{'shape':>22} " + " ".join(f"{b:>10}" for b in ("cpu", "gpu", "tpu")))
+for name, kw in shapes:
+    spec = spec_for(**kw)
+    choices = [tpuattn.choose_implementation(spec, backend) for backend in ("cpu", "gpu", "tpu")]
+    print(f"{name:>22} " + " ".join(f"{c:>10}" for c in choices))
+
+# %% [markdown]
+# ## 6. A third native path: tokamax
+#
+# Google's kernel library for JAX, tokamax
 # ([github.com/openxla/tokamax](https://github.com/openxla/tokamax)), puts several attention kernels
 # behind one call, `tokamax.dot_product_attention(..., implementation="mosaic" | "xla" | ...)`:
 # `"mosaic"` is its Pallas TPU kernel, `"xla"` materialises the scores as `jax.nn` does. Behind the
@@ -587,45 +633,8 @@ print("tokamax on this installation:", "available" if "tokamax" in tpuattn.imple
 # with.
 
 # %% [markdown]
-# **The rule, as code.** `impl="auto"` calls `tpuattn.choose(spec, backend)` (or
-# `choose_implementation` for the name alone); its docstring and each implementation's `auto_rank`
-# carry the evidence. Every registered, available implementation that *supports the input* offers a
-# rank, and the lowest wins (so `softcap` skips `xla`, float16 skips `splash`), with `reference`
-# last:
+# ## Takeaways
 #
-# * **TPU**: `splash` when `q_len >= 128` and `kv_len >= 512` (`tpuattn.supports.long_enough_for_flash`:
-#   below one 128-row query tile a flash kernel pads most of its tile), else `xla`, which also serves
-#   decoding (`q_len < 128`). The threshold sits below the modelled crossover printed above; the
-#   rule's docstring rests it on the compiled peak HBM (the right panel), where splash needs a
-#   fraction of xla's memory at every length in the report.
-# * **GPU**: `xla`, which uses cuDNN's fused kernel when the case allows.
-# * **CPU**: `xla`, unless its float32 score matrix would pass 1 GiB (the rule's constant); then
-#   `blockwise`: on a CPU it is memory, not speed, that makes the switch (the measured panel above
-#   shows how the speeds compare on this machine).
-
-# %%
-shapes = [
-    ("decode 1 x 8192", dict(q_len=1, kv_len=8192, causal=True)),
-    ("prefill 256", dict(q_len=256, kv_len=256, causal=True)),
-    ("train 4096", dict(q_len=4096, kv_len=4096, causal=True)),
-    ("train 4096 + softcap", dict(q_len=4096, kv_len=4096, causal=True, softcap=50.0)),
-    ("train 32768, 8 heads", dict(q_len=32768, kv_len=32768, causal=True, heads=8)),
-]
-
-
-def spec_for(q_len, kv_len, heads=4, causal=True, softcap=None):
-    # Only shapes, dtype and mask matter to the rule: roofline.problem builds a spec without arrays.
-    spec = roofline.problem(q_len, kv_len=kv_len, heads=heads, head_dim=128, dtype="bfloat16", causal=causal)
-    return dataclasses.replace(spec, softcap=softcap)
-
-
-print(f"{'shape':>22} " + " ".join(f"{b:>10}" for b in ("cpu", "gpu", "tpu")))
-for name, kw in shapes:
-    spec = spec_for(**kw)
-    choices = [tpuattn.choose_implementation(spec, backend) for backend in ("cpu", "gpu", "tpu")]
-    print(f"{name:>22} " + " ".join(f"{c:>10}" for c in choices))
-
-# %% [markdown]
 # > **Takeaway.** The platform's attention is a few lines behind a contract, but only after two
 # > translations you must know about: `jax.nn` aligns causal top-left, and neither native path
 # > returns zeros for a query that sees no key unless you make it (a `where` for XLA, a $-10^{30}$
@@ -802,54 +811,52 @@ check_exercises(jax_nn_window, masked_key_weight, splash_mask, supports_short, r
 # %% [markdown]
 # ## Solutions
 #
-# The cell below is hidden: open it after trying the exercises. It defines a solution for each checked
-# exercise and runs the same checks; for exercise 5 it says how to read your own table.
+# The cell below is collapsed: open it after trying the exercises. It runs the same checks on the
+# solutions, but only when `RUN_SOLUTIONS = True` (the parameters cell; the project's CI sets it), so
+# Run All shows your own results alone.
 
-# %% jupyter={"source_hidden": true} tags=["solution", "hide-input"]
-def jax_nn_window_solution(left, right, q_len, kv_len):
-    # The contract's query i sits at key position i + o, o = kv_len - q_len: shift both sides by o.
-    # (An unbounded side has no local_window_size equivalent: use a number >= q_len + kv_len.)
-    offset = kv_len - q_len
-    return left - offset, right + offset
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solutions: open after trying the exercises (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def jax_nn_window_solution(left, right, q_len, kv_len):
+        # The contract's query i sits at key position i + o, o = kv_len - q_len: shift both sides by o.
+        # (An unbounded side has no local_window_size equivalent: use a number >= q_len + kv_len.)
+        offset = kv_len - q_len
+        return left - offset, right + offset
 
+    def masked_key_weight_solution(sink):
+        # m = max(sink, mask_value). A sink of -inf leaves m = mask_value, so every masked key gets
+        # exp(0) = 1 and an empty row returns the mean of v. A finite sink above mask_value (and far below
+        # any real logit) stays the max of an empty row: weights exp(mask_value + 1e30) = 0, sum 1 from the
+        # sink itself, output 0; in a row with real keys it vanishes, exp(-1e30 - m) = 0.
+        mask_value = np.float32(splash_kernel.DEFAULT_MASK_VALUE)
+        running_max = np.maximum(np.float32(sink), mask_value)
+        return np.exp(mask_value - running_max)
 
-def masked_key_weight_solution(sink):
-    # m = max(sink, mask_value). A sink of -inf leaves m = mask_value, so every masked key gets
-    # exp(0) = 1 and an empty row returns the mean of v. A finite sink above mask_value (and far below
-    # any real logit) stays the max of an empty row: weights exp(mask_value + 1e30) = 0, sum 1 from the
-    # sink itself, output 0; in a row with real keys it vanishes, exp(-1e30 - m) = 0.
-    mask_value = np.float32(splash_kernel.DEFAULT_MASK_VALUE)
-    running_max = np.maximum(np.float32(sink), mask_value)
-    return np.exp(mask_value - running_max)
+    def splash_mask_solution(q_len, kv_len, causal, window):
+        shape, offset = (q_len, kv_len), kv_len - q_len   # offset: key position of query 0
+        if window is None and not causal:
+            return splash_masks.FullMask(shape)
+        if window is None:
+            return splash_masks.CausalMask(shape, offset=offset)
+        left, right = window
+        if causal:  # causal caps the right side at 0
+            right = 0 if right is None else min(right, 0)
+        return splash_masks.LocalMask(shape, window_size=(left, right), offset=offset)
 
+    def supports_short_solution(spec, backend=None):
+        if spec.kv_len > 1024:
+            return (f"kv_len: xla_short serves at most 1024 keys, got {spec.kv_len}; "
+                    "use impl='splash' or 'blockwise'")
+        if spec.softcap is not None:
+            return "softcap: jax.nn.dot_product_attention has no logit soft-capping; use impl='blockwise'"
+        return None
 
-def splash_mask_solution(q_len, kv_len, causal, window):
-    shape, offset = (q_len, kv_len), kv_len - q_len   # offset: key position of query 0
-    if window is None and not causal:
-        return splash_masks.FullMask(shape)
-    if window is None:
-        return splash_masks.CausalMask(shape, offset=offset)
-    left, right = window
-    if causal:  # causal caps the right side at 0
-        right = 0 if right is None else min(right, 0)
-    return splash_masks.LocalMask(shape, window_size=(left, right), offset=offset)
+    def register_xla_short_solution():
+        tpuattn.register("xla_short", registry.registered()["xla"].fn, supports=supports_short_solution,
+                         auto_rank=lambda spec, backend: None, replace=True,
+                         description="jax.nn.dot_product_attention for short sequences only (exercise 4)")
 
-
-def supports_short_solution(spec, backend=None):
-    if spec.kv_len > 1024:
-        return (f"kv_len: xla_short serves at most 1024 keys, got {spec.kv_len}; "
-                "use impl='splash' or 'blockwise'")
-    if spec.softcap is not None:
-        return "softcap: jax.nn.dot_product_attention has no logit soft-capping; use impl='blockwise'"
-    return None
-
-
-def register_xla_short_solution():
-    tpuattn.register("xla_short", registry.registered()["xla"].fn, supports=supports_short_solution,
-                     auto_rank=lambda spec, backend: None, replace=True,
-                     description="jax.nn.dot_product_attention for short sequences only (exercise 4)")
-
-
-check_exercises(jax_nn_window_solution, masked_key_weight_solution, splash_mask_solution,
-                supports_short_solution, register_xla_short_solution)
-print("exercise 5: read the crossover off your own timings; there is no single answer")
+    check_exercises(jax_nn_window_solution, masked_key_weight_solution, splash_mask_solution,
+                    supports_short_solution, register_xla_short_solution)
+    print("exercise 5: read the crossover off your own timings; there is no single answer")
