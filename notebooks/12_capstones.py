@@ -19,8 +19,8 @@
 # The puzzles of notebooks 08 and 09 each gave you all of a kernel but one piece. Here nothing is
 # given but the spec and the check. This notebook asks: **can you write a whole attention kernel, its
 # `pallas_call` included (the grid, the BlockSpecs, the scratch, the dimension semantics, the
-# schedule), then its backward and the wiring to `jax.grad`, then a kernel that moves its own data
-# with DMAs?**
+# schedule), then its backward and the wiring to `jax.grad`, then kernels that move their own data
+# with DMAs, on one chip and across chips?**
 #
 # **What you'll do**
 # - F: write a causal GQA flash-attention forward with its logsumexp, on a block-skip schedule you
@@ -29,7 +29,9 @@
 # - G: write its backward, a dQ launch and a dK/dV launch, and the `jax.custom_vjp` that joins them to
 #   your forward, checked through `jax.grad`;
 # - H: write a decode step that copies its KV-cache pages itself, double-buffered
-#   (`pltpu.make_async_copy`, DMA semaphores, two VMEM slots), checked by the race detector.
+#   (`pltpu.make_async_copy`, DMA semaphores, two VMEM slots), checked by the race detector;
+# - I: write causal ring attention over four devices in one kernel per device, passing K/V to the
+#   next device with `pltpu.make_async_remote_copy`, checked by the race detector across devices.
 #
 # Each capstone has a spec, a picture, a stub that raises `NotImplementedError`, a check, three hidden
 # hints of rising detail, and a hidden solution. Try before you open a hint. A capstone takes a
@@ -55,7 +57,18 @@ if "google.colab" in sys.modules:
             "If github.com is not reachable from this runtime, build a wheel from a clone elsewhere "
             "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
 
+# %% [markdown]
+# Capstone I runs four devices. On a CPU, XLA can split the host into several devices; the flag must
+# be set before JAX starts, so this cell sets it before any `import jax` (on a TPU runtime it affects
+# only the CPU backend, where the checks run the ring).
+
 # %% tags=["nbval-ignore-output"]
+import os
+
+FLAG = "--xla_force_host_platform_device_count=4"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip()
+
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
@@ -113,7 +126,7 @@ def tn(a, b):
 # operands. `check(...)` then
 #
 # 1. runs your function in interpret mode on the CPU against a float64 NumPy oracle written from the
-#    formulas (H in the TPU simulator with its race detector), and again with your scratch set
+#    formulas (H and I in the TPU simulator with its race detector), and again with your scratch set
 #    to NaN wherever a `"parallel"` axis moves on, as a megacore chip's two cores would run it;
 # 2. audits what values cannot show: every index map walked over the whole grid (a block outside its
 #    array; a tile the causal mask hides, copied for nothing; more copies than tiles), the launches
@@ -125,7 +138,7 @@ def tn(a, b):
 #
 # Two habits the compiler asks for. Divide a grid index with `jax.lax.div(h, 2)`, not `h // 2`:
 # Python's floor division lowers through `sign`, which the compile-only TPU compiler cannot lower
-# ("Unsupported TPU device kind: cpu"). And in H a wait for a copy that was never started waits
+# ("Unsupported TPU device kind: cpu"). And in H and I a wait for a copy that was never started waits
 # for ever, in the simulator as on a TPU: interrupt the kernel and look at your starts and waits.
 
 # %% [markdown]
@@ -588,6 +601,143 @@ def decode_step(q, k_pages, v_pages, page_table, lengths, *, interpret):
 check(puzzles.DECODE, decode_step, chip=CHIP)
 
 # %% [markdown]
+# ## Capstone I · ring attention with remote copies, causal (★★★, 60 min)
+#
+# Four devices on the mesh axis `"ring"`. Device `d` holds query block `d` and, at first, K/V block
+# `d` (32 rows × 128 each, one head, float32); attention is causal over the whole 128-row sequence.
+# Write `ring_attention(q, k, v, *, interpret)`, called on each device inside `shard_map` with its own
+# `[32, 128]` blocks, returning its `out` `[32, 128]` float32: one `pallas_call` without a grid whose
+# kernel runs the ring's four steps. At step `s` the device holds K/V block `(d − s) mod 4`: it
+# attends it (masked as that block, skipped when the mask hides all of it) and sends it on to device
+# `d + 1` with `pltpu.make_async_remote_copy`, into that device's other slot. Sent the other way, a
+# device holds another block than the one it masks for: with a causal mask, the direction matters.
+#
+# Two slots per array means a slot is written again two steps later, so before a device sends into
+# its neighbour's slot it waits until the neighbour says it is done with it: a REGULAR semaphore the
+# neighbour raises with `pl.semaphore_signal(sem, 1, device_id=..., device_id_type=pl.DeviceIdType.MESH)`.
+#
+# The check runs the four devices' kernels in interpret mode: JAX's TPU simulator
+# (`pltpu.InterpretParams(detect_races=True)`) carries out remote copies and remote semaphore signals
+# between the CPU devices of a `shard_map`, and its race detector watches every device's buffers. Then
+# it compiles the ring for a compile-only 2×2 slice of v5e chips.
+
+# %%
+N_DEV = puzzles.RING_DEVICES
+held = {(d, s): (d - s) % N_DEV for d in range(N_DEV) for s in range(N_DEV)}
+fig, (ax,) = panels(width=4.4, height=3.0)
+draw_grid(ax, N_DEV, N_DEV, labels={key: f"K/V {b}" for key, b in held.items()},
+          colours={(d, s): causal_colour(d, b) for (d, s), b in held.items()},
+          title="device d at step s holds K/V block (d − s) mod 4", xlabel="ring step s", ylabel="device d")
+plt.show()
+
+
+# %% tags=["puzzle"]
+def ring_attention(q, k, v, *, interpret):
+    raise NotImplementedError("one kernel: attend the block you hold, send it to d + 1, four times")
+
+
+# %%
+devices = puzzles.ring_devices()
+print(f"the ring's check runs on {len(devices)} {devices[0].platform.upper()} devices")
+check(puzzles.RING, ring_attention, chip=CHIP)
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 1 of 3: the launch and the names.** `in_specs=[vmem] * 3`, `out_specs=vmem` with
+# `vmem = pl.BlockSpec(memory_space=pltpu.VMEM)`; scratch: two `(2, 32, 128)` slots for K and V,
+# `m`, `l` `(32, 1)` and `acc` `(32, 128)` float32, `pltpu.SemaphoreType.DMA((2,))` twice (send and
+# receive, one each for K and V) and one `pltpu.SemaphoreType.REGULAR`. In the kernel,
+# `d = jax.lax.axis_index(puzzles.RING_AXIS)`, `right = jax.lax.rem(d + 1, 4)`,
+# `left = jax.lax.rem(d + 3, 4)`; copy `k_ref`, `v_ref` into slot 0, then a Python loop over the four
+# steps, slot `s % 2`.
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 2 of 3: one step.** If `s < 3`: when `s > 0`, wait for `free` (the right neighbour is done with
+# the slot you are about to fill); start the K and V remote copies from your slot `s % 2` to the right
+# neighbour's slot `(s + 1) % 2`. Attend your slot `s % 2` under `pl.when(kv_block <= d)`, with `m`,
+# `l`, `acc` in scratch and the columns of block `kv_block = (d − s) mod 4`. Then, if `s < 3`, wait for
+# your copies (`.wait()` waits for your send to leave and the left neighbour's to arrive) and, when
+# `s < 2`, signal `free` on the left neighbour: your slot `s % 2` is read and sent, so it may fill it
+# at step `s + 1`. Two signals, two waits: every semaphore ends at zero.
+
+# %% [markdown] tags=["hint", "hide-cell"]
+# **Hint 3 of 3: the calls.**
+#
+# ```python
+# sends = [pltpu.make_async_remote_copy(src_ref=buf.at[cur], dst_ref=buf.at[nxt], send_sem=send_sems.at[x],
+#                                       recv_sem=recv_sems.at[x], device_id=(right,),
+#                                       device_id_type=pl.DeviceIdType.MESH)
+#          for x, buf in enumerate((k_buf, v_buf))]
+# for send in sends:
+#     send.start()
+# ...
+# pl.semaphore_wait(free_sem, 1)
+# pl.semaphore_signal(free_sem, 1, device_id=(left,), device_id_type=pl.DeviceIdType.MESH)
+# ```
+
+
+# %% jupyter={"source_hidden": true} tags=["solution", "hide-cell"]
+ROWS, AXIS = puzzles.RING_ROWS, puzzles.RING_AXIS
+
+
+def ring_kernel(q_ref, k_ref, v_ref, o_ref, k_buf, v_buf, m_ref, l_ref, acc_ref, send_sems, recv_sems,
+                free_sem):
+    d = jax.lax.axis_index(AXIS)
+    right, left = jax.lax.rem(d + 1, N_DEV), jax.lax.rem(d + N_DEV - 1, N_DEV)
+    k_buf[0] = k_ref[...]
+    v_buf[0] = v_ref[...]
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    for s in range(N_DEV):
+        cur, nxt = s % 2, (s + 1) % 2
+        if s < N_DEV - 1:
+            if s > 0:
+                pl.semaphore_wait(free_sem, 1)  # the right neighbour is done with its slot nxt
+            sends = [pltpu.make_async_remote_copy(
+                src_ref=buf.at[cur], dst_ref=buf.at[nxt], send_sem=send_sems.at[x], recv_sem=recv_sems.at[x],
+                device_id=(right,), device_id_type=pl.DeviceIdType.MESH)
+                for x, buf in enumerate((k_buf, v_buf))]
+            for send in sends:
+                send.start()
+        kv_block = jax.lax.rem(d + N_DEV - s, N_DEV)  # the block the ring's schedule says we hold
+
+        @pl.when(kv_block <= d)  # a block wholly in the future: nothing to attend
+        def _attend(cur=cur, kv_block=kv_block):  # bound now: the loop moves on
+            sc = qk(q_ref[...], k_buf[cur]) * SCALE
+            rows = d * ROWS + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 0)
+            cols = kv_block * ROWS + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
+            sc = jnp.where(cols <= rows, sc, -jnp.inf)
+            m_old = m_ref[...]
+            m_new = jnp.maximum(m_old, sc.max(axis=1, keepdims=True))
+            alpha, p = jnp.exp(m_old - m_new), jnp.exp(sc - m_new)
+            l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+            acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_buf[cur], preferred_element_type=jnp.float32)
+            m_ref[...] = m_new
+
+        if s < N_DEV - 1:
+            for send in sends:
+                send.wait()  # our copy has left slot cur, the left neighbour's has filled our slot nxt
+            if s < N_DEV - 2:  # the left neighbour may fill our slot cur at step s + 1
+                pl.semaphore_signal(free_sem, 1, device_id=(left,), device_id_type=pl.DeviceIdType.MESH)
+    o_ref[...] = acc_ref[...] / l_ref[...]
+
+
+def ring_attention(q, k, v, *, interpret):
+    rows, d = q.shape
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    return pallas_call(
+        ring_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32), in_specs=[vmem] * 3,
+        out_specs=vmem,
+        scratch_shapes=[pltpu.VMEM((2, rows, d), k.dtype), pltpu.VMEM((2, rows, d), v.dtype),
+                        pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
+                        pltpu.VMEM((rows, d), jnp.float32), pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.REGULAR],
+        interpret=interpret, in_names=("q", "k", "v"), out_names=("out",))(q, k, v)
+
+
+check(puzzles.RING, ring_attention, chip=CHIP)
+
+# %% [markdown]
 # ## Takeaways
 #
 # > **Takeaway.** A `pallas_call` is five decisions: the grid (which axes own an output block, which
@@ -603,14 +753,22 @@ check(puzzles.DECODE, decode_step, chip=CHIP)
 # > the current one is read, and a read of a slot a copy may still be writing is a race, which the
 # > simulator's race detector names even when the values happen to come out right.
 #
+# > **Takeaway.** A remote copy is the same DMA aimed at another chip, with one more rule: the
+# > receiver must say when a slot is free. In a causal ring, the direction K/V travels is the schedule
+# > the mask assumes; on a real slice the devices of early blocks idle while the late ones work, which
+# > is what notebook 06's zigzag layout fixes.
+#
 # ## References
 #
 # - S. Rush, Triton-Puzzles, https://github.com/srush/Triton-Puzzles (the last chapter: the whole
 #   flash-attention kernel); A. Vorushin, Pallas puzzles, https://github.com/vorushin/pallas_puzzles
 #   ("configure your own pallas_call").
 # - JAX documentation: Pallas TPU pipelining https://docs.jax.dev/en/latest/pallas/tpu/pipelining.html,
-#   scalar prefetch and block-sparse kernels https://docs.jax.dev/en/latest/pallas/tpu/sparse.html.
+#   scalar prefetch and block-sparse kernels https://docs.jax.dev/en/latest/pallas/tpu/sparse.html,
+#   distributed Pallas (remote copies, semaphores, the ring) https://docs.jax.dev/en/latest/pallas/tpu/distributed.html.
 # - T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023,
 #   arXiv:2307.08691 (the forward's logsumexp and the backward's recomputation).
 # - W. Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 #   PagedAttention", 2023, arXiv:2309.06180 (the page table).
+# - H. Liu, M. Zaharia, P. Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
+#   Context", 2023, arXiv:2310.01889.

@@ -3,7 +3,8 @@
 plausible slip away from the answer -- fails with the message that names the slip.
 
 The answers here are written apart from notebook 12's solution cells, with switches for the slips;
-tests/test_puzzles.py runs the notebook's own stubs and solutions.
+tests/test_puzzles.py runs the notebook's own stubs and solutions. The ring needs four CPU devices
+(conftest.py gives the process eight).
 """
 
 from __future__ import annotations
@@ -455,6 +456,89 @@ def test_decode_tables_poison_only_what_no_sequence_owns():
     assert np.isnan(k_pages[cap.POISON_PAGE]).all()
     assert np.isfinite(np.delete(k_pages, cap.POISON_PAGE, axis=0)).all()
     assert np.isfinite(cap.decode64(q, k_pages, v_pages, table, lengths)).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# I. ring attention with remote copies.
+
+N, ROWS, AXIS = cap.RING_DEVICES, cap.RING_ROWS, cap.RING_AXIS
+
+
+def _ring_kernel(*, direction=1, handshake=True, slots=2):
+    def kernel(q_ref, k_ref, v_ref, o_ref, k_buf, v_buf, m_ref, l_ref, acc_ref, send_sems, recv_sems,
+               free_sem):
+        d = jax.lax.axis_index(AXIS)
+        right, left = jax.lax.rem(d + N + direction, N), jax.lax.rem(d + N - direction, N)
+        k_buf[0] = k_ref[...]
+        v_buf[0] = v_ref[...]
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for s in range(N):
+            cur = s % 2 if slots == 2 else 0
+            nxt = (s + 1) % 2 if slots == 2 else 0
+            if s < N - 1:
+                if s > 0 and handshake:
+                    pl.semaphore_wait(free_sem, 1)
+                sends = [pltpu.make_async_remote_copy(
+                    src_ref=buf.at[cur], dst_ref=buf.at[nxt], send_sem=send_sems.at[x],
+                    recv_sem=recv_sems.at[x], device_id=(right,), device_id_type=pl.DeviceIdType.MESH)
+                    for x, buf in enumerate((k_buf, v_buf))]
+                for send in sends:
+                    send.start()
+            kv_block = jax.lax.rem(d + N - s, N)  # the block the ring's schedule says this device holds
+
+            @pl.when(kv_block <= d)
+            def _attend(cur=cur, kv_block=kv_block):  # bound now: the loop moves on
+                sc = _qk(q_ref[...], k_buf[cur]) * SCALE
+                rows = d * ROWS + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 0)
+                cols = kv_block * ROWS + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
+                sc = jnp.where(cols <= rows, sc, -jnp.inf)
+                m_old = m_ref[...]
+                m_new = jnp.maximum(m_old, sc.max(axis=1, keepdims=True))
+                alpha, p = jnp.exp(m_old - m_new), jnp.exp(sc - m_new)
+                l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+                pv = jnp.dot(p, v_buf[cur], preferred_element_type=jnp.float32)
+                acc_ref[...] = alpha * acc_ref[...] + pv
+                m_ref[...] = m_new
+
+            if s < N - 1:
+                for send in sends:
+                    send.wait()
+                if s < N - 2 and handshake:
+                    pl.semaphore_signal(free_sem, 1, device_id=(left,), device_id_type=pl.DeviceIdType.MESH)
+        o_ref[...] = acc_ref[...] / l_ref[...]
+    return kernel
+
+
+def ring_answer(**slip):
+    def ring_attention(q, k, v, *, interpret):
+        rows, d = q.shape
+        vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+        return cap.pallas_call(
+            _ring_kernel(**slip), out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32), in_specs=[vmem] * 3,
+            out_specs=vmem,
+            scratch_shapes=[pltpu.VMEM((2, rows, d), k.dtype), pltpu.VMEM((2, rows, d), v.dtype),
+                            pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
+                            pltpu.VMEM((rows, d), jnp.float32), pltpu.SemaphoreType.DMA((2,)),
+                            pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.REGULAR],
+            interpret=interpret, in_names=("q", "k", "v"), out_names=("out",))(q, k, v)
+    return ring_attention
+
+
+def test_the_ring_passes(capsys):
+    _assert_pass(cap.RING, ring_answer(), capsys)
+
+
+@pytest.mark.parametrize("slip, message", [
+    ({"direction": -1}, "out mismatch at index (1, 0, 0)"),
+    ({"handshake": False}, "race detected by the interpreter's race detector"),
+    ({"slots": 1}, "race detected by the interpreter's race detector"),
+], ids=["K/V sent to d - 1", "no free-slot handshake", "one slot"])
+def test_ring_near_misses_fail_with_their_message(slip, message, capsys):
+    verdict, out = _check(cap.RING, ring_answer(**slip), capsys)
+    assert verdict is False and out.startswith(f"FAIL {cap.RING.name}: "), out
+    assert message in out, out
 
 
 # ---------------------------------------------------------------------------------------------------

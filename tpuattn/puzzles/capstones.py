@@ -6,7 +6,10 @@ F. a causal GQA flash-attention forward with its logsumexp, on a block-skip sche
 G. its backward: the dQ and dK/dV kernels and the ``jax.custom_vjp`` that joins them to the forward,
    checked through ``jax.grad``;
 H. a decode step that fetches its K/V pages itself, double-buffered (``pltpu.make_async_copy``, DMA
-   semaphores, two VMEM slots), under the interpreter's race detector.
+   semaphores, two VMEM slots), under the interpreter's race detector;
+I. ring attention, causal, in one kernel per device that passes K/V to its neighbour with
+   ``pltpu.make_async_remote_copy`` (two slots, and a semaphore the neighbour signals when a slot is
+   free), under the race detector on four CPU devices.
 
 An answer is a function that builds and calls its ``pallas_call`` s (``interpret=`` passed through).
 It calls :func:`pallas_call` here: ``pl.pallas_call`` with the operands' names, which shows the check
@@ -466,10 +469,101 @@ DECODE = register(Puzzle(
     detect_races=True, audit=_decode_audit, outputs=("out",)))
 
 
-PUZZLES = (FORWARD, FORWARD_BF16, BACKWARD, DECODE)
+# ---------------------------------------------------------------------------------------------------
+# I. ring attention, causal, in one kernel per device: out = ring_attention(q, k, v, interpret=...)
+# inside shard_map over RING_DEVICES devices on the mesh axis RING_AXIS. Device d holds query block d
+# and, at first, K/V block d (RING_ROWS rows each, one head); the kernel runs the ring's RING_DEVICES
+# steps, passing K/V to device d + 1 with pltpu.make_async_remote_copy, so that at step s it holds K/V
+# block (d - s) mod RING_DEVICES.
+
+RING_DEVICES, RING_ROWS, RING_AXIS = 4, 32, "ring"
+
+
+def ring_devices() -> list:
+    """The CPU devices the ring's interpret-mode check runs on (``XLA_FLAGS=
+    --xla_force_host_platform_device_count=4`` or more, set before JAX starts)."""
+    devices = jax.devices("cpu")
+    if len(devices) < RING_DEVICES:
+        raise RuntimeError(
+            f"the ring capstone needs {RING_DEVICES} CPU devices, and this process has {len(devices)}: "
+            f"set XLA_FLAGS=--xla_force_host_platform_device_count={RING_DEVICES} before JAX starts "
+            "(the notebook's first import cell does), then restart")
+    return devices[:RING_DEVICES]
+
+
+def _shard_map(fn, mesh):
+    from jax.sharding import PartitionSpec
+
+    spec = PartitionSpec(RING_AXIS)
+
+    def local(q, k, v):  # each device's block arrives as [1, RING_ROWS, HEAD_DIM]
+        return fn(q[0], k[0], v[0])[None]
+
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    from jax.experimental.shard_map import shard_map  # JAX 0.7.2
+
+    return shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_rep=False)
+
+
+def _ring_wrap(answer, interpret):
+    if interpret is not False:
+        mesh = jax.sharding.Mesh(np.array(ring_devices()), (RING_AXIS,))
+        return jax.jit(_shard_map(lambda q, k, v: answer(q, k, v, interpret=interpret), mesh))
+
+    def compile_on_slice(q, k, v):
+        # check() compiles for one device of its chip; a ring needs four. So this function, traced
+        # inside that compile (whose chips.target names the chip), compiles the ring for a
+        # compile-only 2x2 slice of the same chip -- the compiler's errors propagate -- and hands the
+        # one-device compile its input unchanged.
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from tpuattn import chips
+        from tpuattn.measure import aot
+
+        chip = chips.target_chip() or chips.get("v5e")
+        mesh = jax.sharding.Mesh(np.array(aot._topology(chip.topology).devices[:RING_DEVICES]),
+                                 (RING_AXIS,))
+        sharding = NamedSharding(mesh, PartitionSpec(RING_AXIS))
+        placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (q, k, v)]
+        jax.jit(_shard_map(lambda q, k, v: answer(q, k, v, interpret=False), mesh)).lower(*placed).compile()
+        return q
+    return compile_on_slice
+
+
+def _ring_inputs():
+    rng = _rng(26)
+    return tuple(_normal(rng, (RING_DEVICES, RING_ROWS, HEAD_DIM)) for _ in range(3))
+
+
+def ring64(q, k, v):
+    """``out [RING_DEVICES, RING_ROWS, HEAD_DIM]``: causal attention over the whole sequence (the
+    devices' blocks in order), in float64, cut back into the devices' blocks."""
+    q, k, v = _f64(q, k, v)
+    n, rows, d = q.shape
+    out, _ = attention64(q.reshape(1, n * rows, d), k.reshape(1, n * rows, d), v.reshape(1, n * rows, d))
+    return out.reshape(n, rows, d)
+
+
+def _ring_audit(answer):
+    calls = _LAST.get(RING_NAME, [])
+    if len(calls) != 1:
+        return (f"the check saw {len(calls)} launches through capstones.pallas_call; the capstone asks for "
+                "the whole ring in one kernel per device, its K/V moved by remote copies inside it")
+    return None
+
+
+RING_NAME = "I. capstone: ring attention with remote copies, causal"
+
+RING = register(Puzzle(
+    RING_NAME, _builder(RING_NAME, _ring_wrap), _ring_inputs, ring64, rtol=1e-4, atol=1e-5,
+    detect_races=True, audit=_ring_audit, outputs=("out",)))
+
+PUZZLES = (FORWARD, FORWARD_BF16, BACKWARD, DECODE, RING)
 
 __all__ = ["BF16_SEQ", "BLOCK", "Call", "DECODE_HEADS", "DECODE_LENGTHS", "GRAD_SEQ", "GROUP", "HEADS",
            "HEAD_DIM", "KV_HEADS", "NUM_PAGES", "PAGES_PER_SEQ", "PAGE_SIZE", "POISON_PAGE", "PUZZLES",
-           "SCALE", "SEQ", "attention64", "causal_visible", "decode64", "decode_tables", "gradients64",
-           "package_forward", "pallas_call", "visible_tiles"] + [
-    "BACKWARD", "DECODE", "FORWARD", "FORWARD_BF16"]
+           "RING_AXIS", "RING_DEVICES", "RING_ROWS", "SCALE", "SEQ", "attention64", "causal_visible",
+           "decode64", "decode_tables", "gradients64", "package_forward", "pallas_call", "ring64",
+           "ring_devices", "visible_tiles"] + [
+    "BACKWARD", "DECODE", "FORWARD", "FORWARD_BF16", "RING"]
