@@ -302,3 +302,28 @@ def test_bf16_inputs_differentiate_their_float32_sinks(impl):
     p_sink = 1.0 - oracle_attention(q, k, np.ones_like(v), causal=True, sinks=sinks)[..., :1]
     terms = np.abs(p_sink * oracle_attention(q, k, v, causal=True, sinks=sinks) * d_out).sum(axis=(0, 1, 3))
     assert np.all(np.abs(np.asarray(grads[3], np.float64) - want[3]) <= 2.0**-8 * terms)
+
+
+@pytest.mark.parametrize("impl", TAKERS)
+def test_second_derivatives_with_sinks_or_a_clear_refusal(impl):
+    """A Hessian-vector product through sinks: the oracle's (central differences of its gradient), or
+    the kernels' refusal by name (before: pallas raised a bare NotImplementedError(''))."""
+    rng = np.random.default_rng(31)
+    q, k, v = random_qkv(rng, 32, 32, q_heads=2, kv_heads=1, head_dim=16)
+    tangent = rng.standard_normal(q.shape).astype(np.float32)
+    sinks = np.array([0.5, -1.0], np.float32)
+
+    def hvp():
+        loss = lambda q: jnp.sum(tpuattn.attention(q, k, v, causal=True, sinks=sinks, impl=impl) ** 2)
+        return jax.jvp(jax.grad(loss), (q,), (tangent,))[1]
+
+    if impl in ("pallas", "splash"):
+        refusal = rf"impl='{impl}' has no second derivatives.*'reference'"
+        with pytest.raises(NotImplementedError, match=refusal):
+            hvp()
+        return
+    eps = 1e-3
+    oracle_grad = lambda q: oracle_grads(q, k, v, 2 * oracle_attention(q, k, v, causal=True, sinks=sinks),
+                                         causal=True, sinks=sinks)[0]
+    numeric = (oracle_grad(q + eps * tangent) - oracle_grad(q - eps * tangent)) / (2 * eps)
+    assert np.abs(np.asarray(hvp(), np.float64) - numeric).max() <= 1e-2 * np.abs(numeric).max()

@@ -168,27 +168,34 @@ def _partial_out(out, stats) -> softmax.Partial:
     return softmax.Partial(out, jnp.where(seen, m, -jnp.inf), jnp.where(seen, log_l, 0.0))
 
 
+# The partial operations are differentiated once by their callers' custom VJPs (tpuattn.sinks, the
+# ring); a second derivative differentiates the kernels themselves, refused with SECOND_DERIVATIVE
+# (without the guard, pallas_call's bare NotImplementedError('')).
 def partial_forward(q, k, v, segment_ids, spec, **options):
     """This block's :class:`tpuattn.softmax.Partial`: the kernel accumulates in float32 and writes
     its output in float32, not rounded to the input dtype before the merge."""
     q, k, v, segment_ids, _, blocks, interpret = _block_call(q, k, v, segment_ids, spec, options)
-    out, stats = forward(q, k, v, segment_ids, spec, blocks.forward, interpret, seen=True,
-                         out_dtype=jnp.float32)
-    return _partial_out(out, stats)
+    run = lambda q, k, v, segment_ids: forward(q, k, v, segment_ids, spec, blocks.forward, interpret,
+                                               seen=True, out_dtype=jnp.float32)
+    return _partial_out(*first_order_only(run, SECOND_DERIVATIVE)(q, k, v, segment_ids))
 
 
 def partial_row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options):
     q, k, v, segment_ids, (m, log_l, d_out), blocks, interpret = _block_call(
         q, k, v, segment_ids, spec, options, m, log_l, d_out)
-    return row_sums(q, k, v, segment_ids, _lse_in(m, log_l), d_out.astype(q.dtype), spec, blocks.backward,
-                    interpret)
+    run = lambda q, k, v, segment_ids, lse, d_out: row_sums(q, k, v, segment_ids, lse, d_out, spec,
+                                                            blocks.backward, interpret)
+    return first_order_only(run, SECOND_DERIVATIVE)(q, k, v, segment_ids, _lse_in(m, log_l),
+                                                    d_out.astype(q.dtype))
 
 
 def partial_backward(q, k, v, segment_ids, spec, m, log_l, d_out, delta, **options):
     q, k, v, segment_ids, (m, log_l, d_out, delta), blocks, interpret = _block_call(
         q, k, v, segment_ids, spec, options, m, log_l, d_out, delta)
-    grads = backward(q, k, v, segment_ids, _lse_in(m, log_l), d_out.astype(q.dtype), spec, blocks.backward,
-                     interpret, delta=delta)
+    run = lambda q, k, v, segment_ids, lse, d_out, delta: backward(q, k, v, segment_ids, lse, d_out, spec,
+                                                                   blocks.backward, interpret, delta=delta)
+    grads = first_order_only(run, SECOND_DERIVATIVE)(q, k, v, segment_ids, _lse_in(m, log_l),
+                                                     d_out.astype(q.dtype), delta)
     return tuple(g.astype(jnp.float32) for g in grads)
 
 
