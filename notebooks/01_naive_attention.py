@@ -50,6 +50,8 @@ if "google.colab" in sys.modules:
             "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
 
 # %% tags=["nbval-ignore-output"]
+import os
+
 import tpuattn
 from tpuattn.exercises import run_checks
 from tpuattn.measure import runtime
@@ -69,6 +71,9 @@ MEASURE_HEADS = 32
 RUN_MEMORY = True
 # The model whose score matrix we size for a TPU: batch 1, 32 heads, float32 scores.
 MODEL_BATCH, MODEL_HEADS = 1, 32
+# The hidden solution cells run only when this is True, so Run All shows your own results alone.
+# The project's CI sets it (TPUATTN_RUN_SOLUTIONS=1): the committed outputs include the solutions'.
+RUN_SOLUTIONS = os.environ.get("TPUATTN_RUN_SOLUTIONS") == "1"
 
 # %%
 import functools
@@ -100,7 +105,7 @@ rng = np.random.default_rng(SEED)
 #
 # First, the yardstick: a float64 NumPy version, written for clarity, loops over batch and heads.
 # It takes a boolean `visible[b, i, j]` mask (we build masks in section 3) and maps query head `h`
-# to key/value head `h // group` (GQA, section 3.4). A row that sees no key returns zeros.
+# to key/value head `h // group` (GQA, section 3.3). A row that sees no key returns zeros.
 
 
 # %%
@@ -311,7 +316,47 @@ np.testing.assert_allclose(tpuattn.attention(q, k, v, causal=True, impl="referen
 print("with q_len == kv_len they agree")
 
 # %% [markdown]
-# ### 3.2 Masks end to end, and rows that see nothing
+# ### 3.2 A mask explorer
+#
+# Move the sliders (in a live notebook) to see how lengths, causality and the window combine.
+
+# %% tags=["nbval-ignore-output"]
+try:
+    import ipywidgets as widgets
+
+    def explore(q_len=8, kv_len=16, causal=True, left=16, right=16):
+        fig, ax = plt.subplots(figsize=(4.5, 3))
+        style.show_mask(ax, numpy_mask(q_len, kv_len, causal, (left, right)),
+                        title=f"q_len={q_len}, kv_len={kv_len}, causal={causal}, window=({left}, {right})")
+        plt.show()
+
+    widgets.interact(explore, q_len=(1, 24), kv_len=(1, 24), causal=True, left=(0, 24), right=(0, 24))
+except ImportError:
+    print("pip install ipywidgets for the interactive explorer")
+
+# %% [markdown]
+# ### 3.3 Grouped-query attention (GQA)
+#
+# Keys and values may have fewer heads than queries: with `num_q_heads = 4` and `num_kv_heads = 2`
+# each K/V head serves a *group* of 2 query heads; query head `h` reads K/V head `h // 2`. MQA is the
+# extreme, one K/V head for all. The K/V cache shrinks by the group size, the score matrix does not:
+# every query head still gets its own `[T_q, T_k]` scores.
+
+# %%
+q, k, v = random_qkv(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS)
+group = NUM_HEADS // NUM_KV_HEADS
+print("query head -> kv head:", {h: h // group for h in range(NUM_HEADS)})
+out = tpuattn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, impl="reference")
+visible = np.broadcast_to(numpy_mask(SEQ_LEN, SEQ_LEN, causal=True), (BATCH, SEQ_LEN, SEQ_LEN))
+np.testing.assert_allclose(out, numpy_attention(q, k, v, visible), atol=2e-5, rtol=2e-5)
+# Same thing as repeating each kv head `group` times and running plain multi-head attention.
+k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+np.testing.assert_allclose(out, numpy_attention(q, k_rep, v_rep, visible), atol=2e-5, rtol=2e-5)
+np.testing.assert_allclose(out, jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=2e-5, rtol=2e-5)
+print(f"GQA ({NUM_HEADS} query heads, {NUM_KV_HEADS} kv heads) matches float64, repeated heads and jax.nn")
+
+# %% [markdown]
+# ## 3b. Masks end to end, and rows that see nothing
 #
 # A query whose segment has no key (below: query segment 3 never appears among the keys), or that
 # sits before key 0 under a causal mask when $T_q > T_k$, sees nothing. The contract returns zeros
@@ -346,46 +391,6 @@ for case in cases:
     assert np.all(np.asarray(out)[blind] == 0.0) and np.isfinite(np.asarray(out)).all()
     label = ", ".join(f"{key}={value}" for key, value in case.items())
     print(f"ok  {label:<60} rows that see nothing: {int(blind.sum())}")
-
-# %% [markdown]
-# ### 3.3 A mask explorer
-#
-# Move the sliders (in a live notebook) to see how lengths, causality and the window combine.
-
-# %% tags=["nbval-ignore-output"]
-try:
-    import ipywidgets as widgets
-
-    def explore(q_len=8, kv_len=16, causal=True, left=16, right=16):
-        fig, ax = plt.subplots(figsize=(4.5, 3))
-        style.show_mask(ax, numpy_mask(q_len, kv_len, causal, (left, right)),
-                        title=f"q_len={q_len}, kv_len={kv_len}, causal={causal}, window=({left}, {right})")
-        plt.show()
-
-    widgets.interact(explore, q_len=(1, 24), kv_len=(1, 24), causal=True, left=(0, 24), right=(0, 24))
-except ImportError:
-    print("pip install ipywidgets for the interactive explorer")
-
-# %% [markdown]
-# ### 3.4 Grouped-query attention (GQA)
-#
-# Keys and values may have fewer heads than queries: with `num_q_heads = 4` and `num_kv_heads = 2`
-# each K/V head serves a *group* of 2 query heads; query head `h` reads K/V head `h // 2`. MQA is the
-# extreme, one K/V head for all. The K/V cache shrinks by the group size, the score matrix does not:
-# every query head still gets its own `[T_q, T_k]` scores.
-
-# %%
-q, k, v = random_qkv(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS)
-group = NUM_HEADS // NUM_KV_HEADS
-print("query head -> kv head:", {h: h // group for h in range(NUM_HEADS)})
-out = tpuattn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, impl="reference")
-visible = np.broadcast_to(numpy_mask(SEQ_LEN, SEQ_LEN, causal=True), (BATCH, SEQ_LEN, SEQ_LEN))
-np.testing.assert_allclose(out, numpy_attention(q, k, v, visible), atol=2e-5, rtol=2e-5)
-# Same thing as repeating each kv head `group` times and running plain multi-head attention.
-k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-np.testing.assert_allclose(out, numpy_attention(q, k_rep, v_rep, visible), atol=2e-5, rtol=2e-5)
-np.testing.assert_allclose(out, jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=2e-5, rtol=2e-5)
-print(f"GQA ({NUM_HEADS} query heads, {NUM_KV_HEADS} kv heads) matches float64, repeated heads and jax.nn")
 
 # %% [markdown]
 # ## 4. The score matrix's memory
@@ -667,48 +672,49 @@ progress = check_exercises(largest_batch=largest_batch, decode_visible=decode_vi
 
 # %% [markdown]
 # ## Solutions
+#
+# The cell below is collapsed: open it after trying the exercises. It runs the same checks on the
+# solutions, but only when `RUN_SOLUTIONS = True` (the parameters cell; the project's CI sets it), so
+# Run All shows your own results alone.
 
-# %% jupyter={"source_hidden": true} tags=["solution", "hide-input"]
-def largest_batch():
-    half = chips["v6e"] / 2  # 32 GiB / 2
-    return int(half // scores_bytes(4096, batch=1))  # 2 GiB of scores per sequence
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solutions: open after trying the exercises (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def largest_batch():
+        half = chips["v6e"] / 2  # 32 GiB / 2
+        return int(half // scores_bytes(4096, batch=1))  # 2 GiB of scores per sequence
 
+    def decode_visible(kv_len, window):
+        pos = kv_len - 1  # one query: p_0 = 0 + kv_len - 1, the last key
+        j = np.arange(kv_len)
+        return (j <= pos) & (j >= pos - window)
 
-def decode_visible(kv_len, window):
-    pos = kv_len - 1  # one query: p_0 = 0 + kv_len - 1, the last key
-    j = np.arange(kv_len)
-    return (j <= pos) & (j >= pos - window)
+    def softcapped_attention(q, k, v, cap):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / math.sqrt(q.shape[-1])
+        s = cap * jnp.tanh(s / cap)  # after scaling, before the softmax (and before any mask)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
 
+    def masked_attention(q, k, v, visible):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / math.sqrt(q.shape[-1])
+        keep = jnp.asarray(visible)[:, None]  # [batch, 1, q_len, kv_len]: the same mask for every head
+        s = jnp.where(keep, s, -jnp.inf)
+        m = jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))  # the softmax does not depend on it
+        m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row that sees nothing has max -inf: shift by 0
+        p = jnp.where(keep, jnp.exp(s - m), 0.0)  # exp(-inf) = 0: finite values and gradients
+        total = p.sum(axis=-1, keepdims=True)
+        p = p / jnp.where(total > 0, total, 1.0)  # blind rows: 0 / 1 = 0
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
 
-def softcapped_attention(q, k, v, cap):
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / math.sqrt(q.shape[-1])
-    s = cap * jnp.tanh(s / cap)  # after scaling, before the softmax (and before any mask)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+    def grouped_attention(q, k, v):
+        b, q_len, heads, d = q.shape
+        kv_heads = k.shape[2]
+        # Query head h = kv_head * group + member, so it reads kv head h // group: split the head axis.
+        q_grouped = q.reshape(b, q_len, kv_heads, heads // kv_heads, d)
+        s = jnp.einsum("bqkgd,bskd->bkgqs", q_grouped, k, precision="highest") / math.sqrt(d)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+        return out.reshape(b, q_len, heads, d)
 
-
-def masked_attention(q, k, v, visible):
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / math.sqrt(q.shape[-1])
-    keep = jnp.asarray(visible)[:, None]  # [batch, 1, q_len, kv_len]: the same mask for every head
-    s = jnp.where(keep, s, -jnp.inf)
-    m = jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))  # the softmax does not depend on it
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row that sees nothing has max -inf: shift by 0
-    p = jnp.where(keep, jnp.exp(s - m), 0.0)  # exp(-inf) = 0: finite values and gradients
-    total = p.sum(axis=-1, keepdims=True)
-    p = p / jnp.where(total > 0, total, 1.0)  # blind rows: 0 / 1 = 0
-    return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
-
-
-def grouped_attention(q, k, v):
-    b, q_len, heads, d = q.shape
-    kv_heads = k.shape[2]
-    # Query head h = kv_head * group + member, so it reads kv head h // group: split the head axis.
-    q_grouped = q.reshape(b, q_len, kv_heads, heads // kv_heads, d)
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q_grouped, k, precision="highest") / math.sqrt(d)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", jax.nn.softmax(s, axis=-1), v, precision="highest")
-    return out.reshape(b, q_len, heads, d)
-
-
-done = check_exercises(largest_batch=largest_batch, decode_visible=decode_visible,
-                       softcapped_attention=softcapped_attention, masked_attention=masked_attention,
-                       grouped_attention=grouped_attention)
-assert all(done.values()), done
+    done = check_exercises(largest_batch=largest_batch, decode_visible=decode_visible,
+                           softcapped_attention=softcapped_attention, masked_attention=masked_attention,
+                           grouped_attention=grouped_attention)
+    assert all(done.values()), done
