@@ -33,9 +33,10 @@
 # - I: write causal ring attention over four devices in one kernel per device, passing K/V to the
 #   next device with `pltpu.make_async_remote_copy`, checked by the race detector across devices.
 #
-# Each capstone has a spec, a picture, a stub that raises `NotImplementedError`, a check, three hidden
-# hints of rising detail, and a hidden solution. Try before you open a hint. A capstone takes a
-# workshop 30 to 60 minutes.
+# Each capstone has a spec, a picture, a stub that raises `NotImplementedError`, a check, three
+# collapsed hints of rising detail, and a collapsed solution: try before you open a hint. Solutions run
+# only with `RUN_SOLUTIONS = True` (parameters cell), so Run All shows your own answers' checks alone.
+# A capstone takes a workshop 30 to 60 minutes.
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/tpuattn/tpuattn/blob/main/notebooks/12_capstones.ipynb)
 
@@ -87,6 +88,9 @@ print(PLATFORM.summary())
 
 # %% tags=["parameters"]
 CHIP = "v5e"  # the chip every check compiles for (compile-only: no TPU needed)
+# The hidden solution cells run only when this is True, so Run All shows your answers' checks alone.
+# The project's CI sets it (TPUATTN_RUN_SOLUTIONS=1): the committed outputs include the solutions'.
+RUN_SOLUTIONS = os.environ.get("TPUATTN_RUN_SOLUTIONS") == "1"
 
 # %%
 style.use_style()
@@ -179,7 +183,7 @@ def flash_forward(q, k, v, *, interpret):
 check(puzzles.FORWARD, flash_forward, chip=CHIP)
 check(puzzles.FORWARD_BF16, flash_forward, chip=CHIP)
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 1 of 3: the shape of the launch.** Grid `(heads, query blocks, schedule steps)` = `(4, 4, 4)`:
 # the first two axes own an output block (`"parallel"`), the last reduces into scratch
 # (`"arbitrary"`). The table: `table[i, j]` is the K/V block query block `i` visits at step `j`,
@@ -187,7 +191,7 @@ check(puzzles.FORWARD_BF16, flash_forward, chip=CHIP)
 # `lambda h, i, j, table, counts: ...`. The K/V map names kv head `jax.lax.div(h, 2)` and block
 # `table[i, j]`.
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 2 of 3: blocks, scratch and body.** BlockSpecs `(None, 128, 128)` for `q`, `k`, `v`, `out`
 # (`None` squeezes the head dimension away) and `(None, 128, 1)` for `lse`; scratch `m`, `l`
 # `(128, 1)` and `acc` `(128, 128)`, float32. The kernel's arguments: the two tables, `q`, `k`, `v`,
@@ -197,7 +201,7 @@ check(puzzles.FORWARD_BF16, flash_forward, chip=CHIP)
 # `exp(s - m)`, not of `exp(s)`). Pad each row of the table with its last block, so the padded steps
 # name the block the step before them named and the pipeline copies nothing.
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 3 of 3: the launch, nearly whole.**
 #
 # ```python
@@ -216,70 +220,69 @@ check(puzzles.FORWARD_BF16, flash_forward, chip=CHIP)
 # ```
 
 
-# %% jupyter={"source_hidden": true} tags=["solution", "hide-cell"]
-def causal_schedule(seq, block):
-    """(table [n, n], counts [n]): query block i visits K/V blocks 0..i, padded with block i."""
-    n = seq // block
-    table = np.stack([np.minimum(np.arange(n), i) for i in range(n)]).astype(np.int32)
-    return table, np.arange(1, n + 1, dtype=np.int32)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def causal_schedule(seq, block):
+        """(table [n, n], counts [n]): query block i visits K/V blocks 0..i, padded with block i."""
+        n = seq // block
+        table = np.stack([np.minimum(np.arange(n), i) for i in range(n)]).astype(np.int32)
+        return table, np.arange(1, n + 1, dtype=np.int32)
 
+    def forward_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref):
+        i, j = pl.program_id(1), pl.program_id(2)
+        kv = table_ref[i, j]  # the K/V block this step holds
 
-def forward_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref):
-    i, j = pl.program_id(1), pl.program_id(2)
-    kv = table_ref[i, j]  # the K/V block this step holds
+        @pl.when(j == 0)
+        def _init():
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(j == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        @pl.when(j < counts_ref[i])
+        def _step():
+            s = qk(q_ref[...], k_ref[...]) * SCALE
+            rows = i * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            cols = kv * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            s = jnp.where(cols <= rows, s, -jnp.inf)  # only the diagonal tile masks anything
+            m_old = m_ref[...]
+            m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
+            p = jnp.exp(s - m_new)
+            alpha = jnp.exp(m_old - m_new)
+            l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+            acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v_ref.dtype), v_ref[...],
+                                                          preferred_element_type=jnp.float32)
+            m_ref[...] = m_new
 
-    @pl.when(j < counts_ref[i])
-    def _step():
-        s = qk(q_ref[...], k_ref[...]) * SCALE
-        rows = i * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-        cols = kv * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(cols <= rows, s, -jnp.inf)  # only the diagonal tile masks anything
-        m_old = m_ref[...]
-        m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
-        p = jnp.exp(s - m_new)
-        alpha = jnp.exp(m_old - m_new)
-        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v_ref.dtype), v_ref[...],
-                                                      preferred_element_type=jnp.float32)
-        m_ref[...] = m_new
+        @pl.when(j == pl.num_programs(2) - 1)
+        def _finish():
+            o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+            lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
 
-    @pl.when(j == pl.num_programs(2) - 1)
-    def _finish():
-        o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
-        lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
+    def flash_forward(q, k, v, *, interpret):
+        heads, seq, d = q.shape
+        group = heads // k.shape[0]
+        table, counts = causal_schedule(seq, BLOCK)
+        q_spec = pl.BlockSpec((None, BLOCK, d), lambda h, i, j, table, counts: (h, i, 0))
+        kv_spec = pl.BlockSpec((None, BLOCK, d),
+                               lambda h, i, j, table, counts: (jax.lax.div(h, group), table[i, j], 0))
+        lse_spec = pl.BlockSpec((None, BLOCK, 1), lambda h, i, j, table, counts: (h, i, 0))
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(heads, seq // BLOCK, table.shape[1]),
+            in_specs=[q_spec, kv_spec, kv_spec], out_specs=[q_spec, lse_spec],
+            scratch_shapes=[pltpu.VMEM((BLOCK, 1), jnp.float32), pltpu.VMEM((BLOCK, 1), jnp.float32),
+                            pltpu.VMEM((BLOCK, d), jnp.float32)])
+        return pallas_call(
+            forward_kernel, grid_spec=grid_spec,
+            out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                       jax.ShapeDtypeStruct((heads, seq, 1), jnp.float32)],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+            interpret=interpret, in_names=("q", "k", "v"), out_names=("out", "lse"),
+        )(jnp.asarray(table), jnp.asarray(counts), q, k, v)
 
-
-def flash_forward(q, k, v, *, interpret):
-    heads, seq, d = q.shape
-    group = heads // k.shape[0]
-    table, counts = causal_schedule(seq, BLOCK)
-    q_spec = pl.BlockSpec((None, BLOCK, d), lambda h, i, j, table, counts: (h, i, 0))
-    kv_spec = pl.BlockSpec((None, BLOCK, d),
-                           lambda h, i, j, table, counts: (jax.lax.div(h, group), table[i, j], 0))
-    lse_spec = pl.BlockSpec((None, BLOCK, 1), lambda h, i, j, table, counts: (h, i, 0))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(heads, seq // BLOCK, table.shape[1]),
-        in_specs=[q_spec, kv_spec, kv_spec], out_specs=[q_spec, lse_spec],
-        scratch_shapes=[pltpu.VMEM((BLOCK, 1), jnp.float32), pltpu.VMEM((BLOCK, 1), jnp.float32),
-                        pltpu.VMEM((BLOCK, d), jnp.float32)])
-    return pallas_call(
-        forward_kernel, grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((heads, seq, 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=interpret, in_names=("q", "k", "v"), out_names=("out", "lse"),
-    )(jnp.asarray(table), jnp.asarray(counts), q, k, v)
-
-
-check(puzzles.FORWARD, flash_forward, chip=CHIP)
-check(puzzles.FORWARD_BF16, flash_forward, chip=CHIP)
-print("the schedule table:\n", causal_schedule(puzzles.SEQ, BLOCK)[0])
+    check(puzzles.FORWARD, flash_forward, chip=CHIP)
+    check(puzzles.FORWARD_BF16, flash_forward, chip=CHIP)
+    print("the schedule table:\n", causal_schedule(puzzles.SEQ, BLOCK)[0])
 
 # %% [markdown]
 # ## Capstone G · the backward and its custom VJP (★★★, 60 min)
@@ -318,7 +321,7 @@ def flash_attention(q, k, v, *, interpret):
 # %%
 check(puzzles.BACKWARD, flash_attention, chip=CHIP)
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 1 of 3: the plan.** In the backward compute `δ = Σ_d out ∘ dO` (a `[4, 256, 1]` column) in
 # plain JAX. The dQ launch is the forward's: the same grid, table and K/V map, inputs
 # `q, k, v, do, lse, delta`, one `(128, 128)` float32 accumulator. The dK/dV launch turns the walk
@@ -326,14 +329,14 @@ check(puzzles.BACKWARD, flash_attention, chip=CHIP)
 # table: K/V block `j` is seen by query blocks `j, j + 1, …` (pad each row with its last). Its query
 # side names head `hk * 2 + g`, its two accumulators sum over both of the last two axes.
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 2 of 3: the bodies.** Recompute the tile `P = where(cols <= rows, exp(S − lse), 0)` from the
 # global rows and columns. dQ: `acc += (P ∘ (dO Vᵀ − δ)) K · scale`, zeroed at the first step, written
 # at the last. dK/dV: `dv_acc += Pᵀ dO`, `dk_acc += dSᵀ Q · scale` (`tn(a, b)` is `aᵀ b`); zero them
 # when `g == 0` and `t == 0`, write them when both are at their last index, and mark both of those
 # axes `"arbitrary"`: their steps share one output block.
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 3 of 3: the wiring.**
 #
 # ```python
@@ -354,123 +357,119 @@ check(puzzles.BACKWARD, flash_attention, chip=CHIP)
 # ```
 
 
-# %% jupyter={"source_hidden": true} tags=["solution", "hide-cell"]
-def tile_probabilities(q, k, lse, i, j):
-    """P of query block i against K/V block j, recomputed from the logsumexp, masked causally."""
-    s = qk(q, k) * SCALE
-    rows = i * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-    cols = j * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    return jnp.where(cols <= rows, jnp.exp(s - lse), 0.0)
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def tile_probabilities(q, k, lse, i, j):
+        """P of query block i against K/V block j, recomputed from the logsumexp, masked causally."""
+        s = qk(q, k) * SCALE
+        rows = i * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+        cols = j * BLOCK + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        return jnp.where(cols <= rows, jnp.exp(s - lse), 0.0)
 
+    def dq_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref):
+        i, t = pl.program_id(1), pl.program_id(2)
 
-def dq_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref):
-    i, t = pl.program_id(1), pl.program_id(2)
+        @pl.when(t == 0)
+        def _init():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(t == 0)
-    def _init():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        @pl.when(t < counts_ref[i])
+        def _step():
+            k = k_ref[...]
+            p = tile_probabilities(q_ref[...], k, lse_ref[...], i, table_ref[i, t])
+            ds = p * (qk(do_ref[...], v_ref[...]) - delta_ref[...])
+            acc_ref[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * SCALE
 
-    @pl.when(t < counts_ref[i])
-    def _step():
-        k = k_ref[...]
-        p = tile_probabilities(q_ref[...], k, lse_ref[...], i, table_ref[i, t])
-        ds = p * (qk(do_ref[...], v_ref[...]) - delta_ref[...])
-        acc_ref[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * SCALE
+        @pl.when(t == pl.num_programs(2) - 1)
+        def _write():
+            dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
 
-    @pl.when(t == pl.num_programs(2) - 1)
-    def _write():
-        dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
+    def dkv_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+                   dk_acc, dv_acc):
+        j, g, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
+        @pl.when((g == 0) & (t == 0))
+        def _init():
+            dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+            dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-def dkv_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-               dk_acc, dv_acc):
-    j, g, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+        @pl.when(t < counts_ref[j])
+        def _step():
+            q, do = q_ref[...], do_ref[...]
+            p = tile_probabilities(q, k_ref[...], lse_ref[...], table_ref[j, t], j)
+            ds = p * (qk(do, v_ref[...]) - delta_ref[...])
+            dv_acc[...] += tn(p.astype(do.dtype), do)
+            dk_acc[...] += tn(ds.astype(q.dtype), q) * SCALE
 
-    @pl.when((g == 0) & (t == 0))
-    def _init():
-        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+        @pl.when((g == pl.num_programs(2) - 1) & (t == pl.num_programs(3) - 1))
+        def _write():
+            dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+            dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
-    @pl.when(t < counts_ref[j])
-    def _step():
-        q, do = q_ref[...], do_ref[...]
-        p = tile_probabilities(q, k_ref[...], lse_ref[...], table_ref[j, t], j)
-        ds = p * (qk(do, v_ref[...]) - delta_ref[...])
-        dv_acc[...] += tn(p.astype(do.dtype), do)
-        dk_acc[...] += tn(ds.astype(q.dtype), q) * SCALE
+    def transposed_schedule(seq, block):
+        """(table [n, n], counts [n]): K/V block j is seen by query blocks j..n-1, padded with block n-1."""
+        n = seq // block
+        table = np.stack([np.minimum(np.arange(n) + j, n - 1) for j in range(n)]).astype(np.int32)
+        return table, (n - np.arange(n)).astype(np.int32)
 
-    @pl.when((g == pl.num_programs(2) - 1) & (t == pl.num_programs(3) - 1))
-    def _write():
-        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+    def flash_backward(q, k, v, out, lse, do, *, interpret):
+        heads, seq, d = q.shape
+        kv_heads = k.shape[0]
+        group, n = heads // kv_heads, seq // BLOCK
+        delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+        inputs = ("q", "k", "v", "do", "lse", "delta")
 
+        table, counts = causal_schedule(seq, BLOCK)  # dQ: the forward's walk
+        row = pl.BlockSpec((None, BLOCK, d), lambda h, i, t, table, counts: (h, i, 0))
+        stat = pl.BlockSpec((None, BLOCK, 1), lambda h, i, t, table, counts: (h, i, 0))
+        kv = pl.BlockSpec((None, BLOCK, d),
+                          lambda h, i, t, table, counts: (jax.lax.div(h, group), table[i, t], 0))
+        dq = pallas_call(
+            dq_kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2, grid=(heads, n, n), in_specs=[row, kv, kv, row, stat, stat],
+                out_specs=row, scratch_shapes=[pltpu.VMEM((BLOCK, d), jnp.float32)]),
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+            interpret=interpret, in_names=inputs, out_names=("dq",),
+        )(jnp.asarray(table), jnp.asarray(counts), q, k, v, do, lse, delta)
 
-def transposed_schedule(seq, block):
-    """(table [n, n], counts [n]): K/V block j is seen by query blocks j..n-1, padded with block n-1."""
-    n = seq // block
-    table = np.stack([np.minimum(np.arange(n) + j, n - 1) for j in range(n)]).astype(np.int32)
-    return table, (n - np.arange(n)).astype(np.int32)
+        table, counts = transposed_schedule(seq, BLOCK)  # dK, dV: the walk turned around
 
+        def query_side(hk, j, g, t, table, counts):
+            return hk * group + g, table[j, t], 0
 
-def flash_backward(q, k, v, out, lse, do, *, interpret):
-    heads, seq, d = q.shape
-    kv_heads = k.shape[0]
-    group, n = heads // kv_heads, seq // BLOCK
-    delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
-    inputs = ("q", "k", "v", "do", "lse", "delta")
+        row, stat = pl.BlockSpec((None, BLOCK, d), query_side), pl.BlockSpec((None, BLOCK, 1), query_side)
+        kv = pl.BlockSpec((None, BLOCK, d), lambda hk, j, g, t, table, counts: (hk, j, 0))
+        dk, dv = pallas_call(
+            dkv_kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2, grid=(kv_heads, n, group, n), in_specs=[row, kv, kv, row, stat, stat],
+                out_specs=[kv, kv], scratch_shapes=[pltpu.VMEM((BLOCK, d), jnp.float32)] * 2),
+            out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+            interpret=interpret, in_names=inputs, out_names=("dk", "dv"),
+        )(jnp.asarray(table), jnp.asarray(counts), q, k, v, do, lse, delta)
+        return dq, dk, dv
 
-    table, counts = causal_schedule(seq, BLOCK)  # dQ: the forward's walk
-    row = pl.BlockSpec((None, BLOCK, d), lambda h, i, t, table, counts: (h, i, 0))
-    stat = pl.BlockSpec((None, BLOCK, 1), lambda h, i, t, table, counts: (h, i, 0))
-    kv = pl.BlockSpec((None, BLOCK, d),
-                      lambda h, i, t, table, counts: (jax.lax.div(h, group), table[i, t], 0))
-    dq = pallas_call(
-        dq_kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(heads, n, n), in_specs=[row, kv, kv, row, stat, stat],
-            out_specs=row, scratch_shapes=[pltpu.VMEM((BLOCK, d), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=interpret, in_names=inputs, out_names=("dq",),
-    )(jnp.asarray(table), jnp.asarray(counts), q, k, v, do, lse, delta)
+    def flash_attention(q, k, v, *, interpret):
+        forward = flash_forward  # or puzzles.package_forward
 
-    table, counts = transposed_schedule(seq, BLOCK)  # dK, dV: the walk turned around
+        @jax.custom_vjp
+        def attention(q, k, v):
+            return forward(q, k, v, interpret=interpret)[0]
 
-    def query_side(hk, j, g, t, table, counts):
-        return hk * group + g, table[j, t], 0
+        def attention_forward(q, k, v):
+            out, lse = forward(q, k, v, interpret=interpret)
+            return out, (q, k, v, out, lse)
 
-    row, stat = pl.BlockSpec((None, BLOCK, d), query_side), pl.BlockSpec((None, BLOCK, 1), query_side)
-    kv = pl.BlockSpec((None, BLOCK, d), lambda hk, j, g, t, table, counts: (hk, j, 0))
-    dk, dv = pallas_call(
-        dkv_kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(kv_heads, n, group, n), in_specs=[row, kv, kv, row, stat, stat],
-            out_specs=[kv, kv], scratch_shapes=[pltpu.VMEM((BLOCK, d), jnp.float32)] * 2),
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
-        interpret=interpret, in_names=inputs, out_names=("dk", "dv"),
-    )(jnp.asarray(table), jnp.asarray(counts), q, k, v, do, lse, delta)
-    return dq, dk, dv
+        def attention_backward(residuals, do):
+            return flash_backward(*residuals, do, interpret=interpret)
 
+        attention.defvjp(attention_forward, attention_backward)
+        return attention(q, k, v)
 
-def flash_attention(q, k, v, *, interpret):
-    forward = flash_forward  # or puzzles.package_forward
-
-    @jax.custom_vjp
-    def attention(q, k, v):
-        return forward(q, k, v, interpret=interpret)[0]
-
-    def attention_forward(q, k, v):
-        out, lse = forward(q, k, v, interpret=interpret)
-        return out, (q, k, v, out, lse)
-
-    def attention_backward(residuals, do):
-        return flash_backward(*residuals, do, interpret=interpret)
-
-    attention.defvjp(attention_forward, attention_backward)
-    return attention(q, k, v)
-
-
-check(puzzles.BACKWARD, flash_attention, chip=CHIP)
+    check(puzzles.BACKWARD, flash_attention, chip=CHIP)
 
 # %% [markdown]
 # ## Capstone H · decode, pages copied by hand (★★★, 45 min)
@@ -509,7 +508,7 @@ def decode_step(q, k_pages, v_pages, page_table, lengths, *, interpret):
 # %%
 check(puzzles.DECODE, decode_step, chip=CHIP)
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 1 of 3: the launch.** Grid `(2,)` over the sequences (`"parallel"`), the tables by scalar
 # prefetch, `q` and `out` with `pl.BlockSpec((None, 8, 128), lambda b, table, lengths: (b, 0, 0))`,
 # the pools with `pl.BlockSpec(memory_space=pl.ANY)`. Scratch: `pltpu.VMEM((2, 16, 128), ...)` for K
@@ -517,7 +516,7 @@ check(puzzles.DECODE, decode_step, chip=CHIP)
 # is `jax.lax.div(length + 15, 16)`; loop over them with `jax.lax.fori_loop`, carrying the online
 # softmax's `(m, l, acc)` as values.
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 2 of 3: the order.** Start page 0's copies into slot 0 before the loop. At step `p`, with
 # `slot = jax.lax.rem(p, 2)`: wait for page `p`'s copies (a descriptor made again with the same
 # source, destination and semaphore waits for the one started earlier); then, if `p + 1` is a page of
@@ -525,7 +524,7 @@ check(puzzles.DECODE, decode_step, chip=CHIP)
 # or past `length`. Started into the same slot, the next copy would overwrite the page being read: the
 # race the detector reports.
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 3 of 3: the copies.**
 #
 # ```python
@@ -539,66 +538,65 @@ check(puzzles.DECODE, decode_step, chip=CHIP)
 # ```
 
 
-# %% jupyter={"source_hidden": true} tags=["solution", "hide-cell"]
-PAGE_SIZE = puzzles.PAGE_SIZE
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    PAGE_SIZE = puzzles.PAGE_SIZE
 
+    def decode_kernel(table_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems):
+        b = pl.program_id(0)
+        length = lengths_ref[b]
+        num_pages = jax.lax.div(length + PAGE_SIZE - 1, PAGE_SIZE)
 
-def decode_kernel(table_ref, lengths_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems):
-    b = pl.program_id(0)
-    length = lengths_ref[b]
-    num_pages = jax.lax.div(length + PAGE_SIZE - 1, PAGE_SIZE)
+        def copies(p, slot):  # page p of sequence b into VMEM slot `slot`: one DMA for K, one for V
+            page = table_ref[b, p]
+            return (pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot], sems.at[0, slot]),
+                    pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot], sems.at[1, slot]))
 
-    def copies(p, slot):  # page p of sequence b into VMEM slot `slot`: one DMA for K, one for V
-        page = table_ref[b, p]
-        return (pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot], sems.at[0, slot]),
-                pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot], sems.at[1, slot]))
+        for copy in copies(0, 0):
+            copy.start()
+        q = q_ref[...]
 
-    for copy in copies(0, 0):
-        copy.start()
-    q = q_ref[...]
+        def step(p, state):
+            m, l_sum, acc = state
+            slot = jax.lax.rem(p, 2)
+            for copy in copies(p, slot):
+                copy.wait()
 
-    def step(p, state):
-        m, l_sum, acc = state
-        slot = jax.lax.rem(p, 2)
-        for copy in copies(p, slot):
-            copy.wait()
+            @pl.when(p + 1 < num_pages)
+            def _prefetch():  # the next page's copy runs while this page is read
+                for copy in copies(p + 1, 1 - slot):
+                    copy.start()
 
-        @pl.when(p + 1 < num_pages)
-        def _prefetch():  # the next page's copy runs while this page is read
-            for copy in copies(p + 1, 1 - slot):
-                copy.start()
+            s = qk(q, k_buf[slot]) * SCALE
+            tokens = p * PAGE_SIZE + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            s = jnp.where(tokens < length, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+            alpha, pr = jnp.exp(m - m_new), jnp.exp(s - m_new)
+            acc = alpha * acc + jnp.dot(pr, v_buf[slot], preferred_element_type=jnp.float32)
+            return m_new, alpha * l_sum + pr.sum(axis=1, keepdims=True), acc
 
-        s = qk(q, k_buf[slot]) * SCALE
-        tokens = p * PAGE_SIZE + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(tokens < length, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-        alpha, pr = jnp.exp(m - m_new), jnp.exp(s - m_new)
-        acc = alpha * acc + jnp.dot(pr, v_buf[slot], preferred_element_type=jnp.float32)
-        return m_new, alpha * l_sum + pr.sum(axis=1, keepdims=True), acc
+        heads, d = q.shape
+        state = (jnp.full((heads, 1), -jnp.inf, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
+                 jnp.zeros((heads, d), jnp.float32))
+        _, l_sum, acc = jax.lax.fori_loop(0, num_pages, step, state)
+        o_ref[...] = (acc / l_sum).astype(o_ref.dtype)
 
-    heads, d = q.shape
-    state = (jnp.full((heads, 1), -jnp.inf, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
-             jnp.zeros((heads, d), jnp.float32))
-    _, l_sum, acc = jax.lax.fori_loop(0, num_pages, step, state)
-    o_ref[...] = (acc / l_sum).astype(o_ref.dtype)
+    def decode_step(q, k_pages, v_pages, page_table, lengths, *, interpret):
+        batch, heads, d = q.shape
+        row = pl.BlockSpec((None, heads, d), lambda b, table, lengths: (b, 0, 0))
+        hbm = pl.BlockSpec(memory_space=pl.ANY)  # the pools stay in HBM: the kernel copies pages itself
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(batch,), in_specs=[row, hbm, hbm], out_specs=row,
+            scratch_shapes=[pltpu.VMEM((2, PAGE_SIZE, d), k_pages.dtype),
+                            pltpu.VMEM((2, PAGE_SIZE, d), v_pages.dtype), pltpu.SemaphoreType.DMA((2, 2))])
+        return pallas_call(
+            decode_kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)), interpret=interpret,
+            in_names=("q", "k_pages", "v_pages"), out_names=("out",),
+        )(page_table, lengths, q, k_pages, v_pages)
 
-
-def decode_step(q, k_pages, v_pages, page_table, lengths, *, interpret):
-    batch, heads, d = q.shape
-    row = pl.BlockSpec((None, heads, d), lambda b, table, lengths: (b, 0, 0))
-    hbm = pl.BlockSpec(memory_space=pl.ANY)  # the pools stay in HBM: the kernel copies pages itself
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(batch,), in_specs=[row, hbm, hbm], out_specs=row,
-        scratch_shapes=[pltpu.VMEM((2, PAGE_SIZE, d), k_pages.dtype),
-                        pltpu.VMEM((2, PAGE_SIZE, d), v_pages.dtype), pltpu.SemaphoreType.DMA((2, 2))])
-    return pallas_call(
-        decode_kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)), interpret=interpret,
-        in_names=("q", "k_pages", "v_pages"), out_names=("out",),
-    )(page_table, lengths, q, k_pages, v_pages)
-
-
-check(puzzles.DECODE, decode_step, chip=CHIP)
+    check(puzzles.DECODE, decode_step, chip=CHIP)
 
 # %% [markdown]
 # ## Capstone I · ring attention with remote copies, causal (★★★, 60 min)
@@ -641,7 +639,7 @@ devices = puzzles.ring_devices()
 print(f"the ring's check runs on {len(devices)} {devices[0].platform.upper()} devices")
 check(puzzles.RING, ring_attention, chip=CHIP)
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 1 of 3: the launch and the names.** `in_specs=[vmem] * 3`, `out_specs=vmem` with
 # `vmem = pl.BlockSpec(memory_space=pltpu.VMEM)`; scratch: two `(2, 32, 128)` slots for K and V,
 # `m`, `l` `(32, 1)` and `acc` `(32, 128)` float32, `pltpu.SemaphoreType.DMA((2,))` twice (send and
@@ -650,7 +648,7 @@ check(puzzles.RING, ring_attention, chip=CHIP)
 # `left = jax.lax.rem(d + 3, 4)`; copy `k_ref`, `v_ref` into slot 0, then a Python loop over the four
 # steps, slot `s % 2`.
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 2 of 3: one step.** If `s < 3`: when `s > 0`, wait for `free` (the right neighbour is done with
 # the slot you are about to fill); start the K and V remote copies from your slot `s % 2` to the right
 # neighbour's slot `(s + 1) % 2`. Attend your slot `s % 2` under `pl.when(kv_block <= d)`, with `m`,
@@ -659,7 +657,7 @@ check(puzzles.RING, ring_attention, chip=CHIP)
 # `s < 2`, signal `free` on the left neighbour: your slot `s % 2` is read and sent, so it may fill it
 # at step `s + 1`. Two signals, two waits: every semaphore ends at zero.
 
-# %% [markdown] tags=["hint", "hide-cell"]
+# %% [markdown] jupyter={"source_hidden": true} tags=["hint", "hide-cell"]
 # **Hint 3 of 3: the calls.**
 #
 # ```python
@@ -675,67 +673,67 @@ check(puzzles.RING, ring_attention, chip=CHIP)
 # ```
 
 
-# %% jupyter={"source_hidden": true} tags=["solution", "hide-cell"]
-ROWS, AXIS = puzzles.RING_ROWS, puzzles.RING_AXIS
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    ROWS, AXIS = puzzles.RING_ROWS, puzzles.RING_AXIS
 
+    def ring_kernel(q_ref, k_ref, v_ref, o_ref, k_buf, v_buf, m_ref, l_ref, acc_ref, send_sems, recv_sems,
+                    free_sem):
+        d = jax.lax.axis_index(AXIS)
+        right, left = jax.lax.rem(d + 1, N_DEV), jax.lax.rem(d + N_DEV - 1, N_DEV)
+        k_buf[0] = k_ref[...]
+        v_buf[0] = v_ref[...]
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for s in range(N_DEV):
+            cur, nxt = s % 2, (s + 1) % 2
+            if s < N_DEV - 1:
+                if s > 0:
+                    pl.semaphore_wait(free_sem, 1)  # the right neighbour is done with its slot nxt
+                sends = [pltpu.make_async_remote_copy(
+                    src_ref=buf.at[cur], dst_ref=buf.at[nxt], send_sem=send_sems.at[x],
+                    recv_sem=recv_sems.at[x], device_id=(right,), device_id_type=pl.DeviceIdType.MESH)
+                    for x, buf in enumerate((k_buf, v_buf))]
+                for send in sends:
+                    send.start()
+            kv_block = jax.lax.rem(d + N_DEV - s, N_DEV)  # the block the ring's schedule says we hold
 
-def ring_kernel(q_ref, k_ref, v_ref, o_ref, k_buf, v_buf, m_ref, l_ref, acc_ref, send_sems, recv_sems,
-                free_sem):
-    d = jax.lax.axis_index(AXIS)
-    right, left = jax.lax.rem(d + 1, N_DEV), jax.lax.rem(d + N_DEV - 1, N_DEV)
-    k_buf[0] = k_ref[...]
-    v_buf[0] = v_ref[...]
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    for s in range(N_DEV):
-        cur, nxt = s % 2, (s + 1) % 2
-        if s < N_DEV - 1:
-            if s > 0:
-                pl.semaphore_wait(free_sem, 1)  # the right neighbour is done with its slot nxt
-            sends = [pltpu.make_async_remote_copy(
-                src_ref=buf.at[cur], dst_ref=buf.at[nxt], send_sem=send_sems.at[x], recv_sem=recv_sems.at[x],
-                device_id=(right,), device_id_type=pl.DeviceIdType.MESH)
-                for x, buf in enumerate((k_buf, v_buf))]
-            for send in sends:
-                send.start()
-        kv_block = jax.lax.rem(d + N_DEV - s, N_DEV)  # the block the ring's schedule says we hold
+            @pl.when(kv_block <= d)  # a block wholly in the future: nothing to attend
+            def _attend(cur=cur, kv_block=kv_block):  # bound now: the loop moves on
+                sc = qk(q_ref[...], k_buf[cur]) * SCALE
+                rows = d * ROWS + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 0)
+                cols = kv_block * ROWS + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
+                sc = jnp.where(cols <= rows, sc, -jnp.inf)
+                m_old = m_ref[...]
+                m_new = jnp.maximum(m_old, sc.max(axis=1, keepdims=True))
+                alpha, p = jnp.exp(m_old - m_new), jnp.exp(sc - m_new)
+                l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+                pv = jnp.dot(p, v_buf[cur], preferred_element_type=jnp.float32)
+                acc_ref[...] = alpha * acc_ref[...] + pv
+                m_ref[...] = m_new
 
-        @pl.when(kv_block <= d)  # a block wholly in the future: nothing to attend
-        def _attend(cur=cur, kv_block=kv_block):  # bound now: the loop moves on
-            sc = qk(q_ref[...], k_buf[cur]) * SCALE
-            rows = d * ROWS + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 0)
-            cols = kv_block * ROWS + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
-            sc = jnp.where(cols <= rows, sc, -jnp.inf)
-            m_old = m_ref[...]
-            m_new = jnp.maximum(m_old, sc.max(axis=1, keepdims=True))
-            alpha, p = jnp.exp(m_old - m_new), jnp.exp(sc - m_new)
-            l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-            acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_buf[cur], preferred_element_type=jnp.float32)
-            m_ref[...] = m_new
+            if s < N_DEV - 1:
+                for send in sends:
+                    send.wait()  # our copy has left slot cur, the left neighbour's has filled our slot nxt
+                if s < N_DEV - 2:  # the left neighbour may fill our slot cur at step s + 1
+                    pl.semaphore_signal(free_sem, 1, device_id=(left,), device_id_type=pl.DeviceIdType.MESH)
+        o_ref[...] = acc_ref[...] / l_ref[...]
 
-        if s < N_DEV - 1:
-            for send in sends:
-                send.wait()  # our copy has left slot cur, the left neighbour's has filled our slot nxt
-            if s < N_DEV - 2:  # the left neighbour may fill our slot cur at step s + 1
-                pl.semaphore_signal(free_sem, 1, device_id=(left,), device_id_type=pl.DeviceIdType.MESH)
-    o_ref[...] = acc_ref[...] / l_ref[...]
+    def ring_attention(q, k, v, *, interpret):
+        rows, d = q.shape
+        vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+        return pallas_call(
+            ring_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32), in_specs=[vmem] * 3,
+            out_specs=vmem,
+            scratch_shapes=[pltpu.VMEM((2, rows, d), k.dtype), pltpu.VMEM((2, rows, d), v.dtype),
+                            pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
+                            pltpu.VMEM((rows, d), jnp.float32), pltpu.SemaphoreType.DMA((2,)),
+                            pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.REGULAR],
+            interpret=interpret, in_names=("q", "k", "v"), out_names=("out",))(q, k, v)
 
-
-def ring_attention(q, k, v, *, interpret):
-    rows, d = q.shape
-    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    return pallas_call(
-        ring_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32), in_specs=[vmem] * 3,
-        out_specs=vmem,
-        scratch_shapes=[pltpu.VMEM((2, rows, d), k.dtype), pltpu.VMEM((2, rows, d), v.dtype),
-                        pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
-                        pltpu.VMEM((rows, d), jnp.float32), pltpu.SemaphoreType.DMA((2,)),
-                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.REGULAR],
-        interpret=interpret, in_names=("q", "k", "v"), out_names=("out",))(q, k, v)
-
-
-check(puzzles.RING, ring_attention, chip=CHIP)
+    check(puzzles.RING, ring_attention, chip=CHIP)
 
 # %% [markdown]
 # ## Takeaways
