@@ -159,7 +159,8 @@ def test_audit_runs_after_the_values_match(capsys):
 # the oracle, and the compile for the chip).
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-PUZZLE_NOTEBOOKS = sorted(NOTEBOOKS.glob("[0-9][0-9]_puzzles*.py"))
+PUZZLE_NOTEBOOKS = sorted([*NOTEBOOKS.glob("[0-9][0-9]_puzzles*.py"),
+                           *NOTEBOOKS.glob("[0-9][0-9]_capstones*.py")])
 _HEADER = re.compile(r"^# %%(?P<rest>.*)$")
 
 
@@ -194,6 +195,8 @@ def test_there_are_puzzle_notebooks():
 
 @pytest.mark.parametrize("path", PUZZLE_NOTEBOOKS, ids=lambda p: p.stem)
 def test_stubs_fail_and_solutions_pass(path, monkeypatch, capsys):
+    # The hidden solutions run only where the notebook's RUN_SOLUTIONS is true, as in CI's runs.
+    monkeypatch.setenv("TPUATTN_RUN_SOLUTIONS", "1")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,6 +245,10 @@ def test_stubs_fail_and_solutions_pass(path, monkeypatch, capsys):
         from tpuattn.puzzles import backward
 
         assert {p.name for p in backward.PUZZLES} <= set(solved)
+    if path.stem == "12_capstones":
+        from tpuattn.puzzles import capstones
+
+        assert {p.name for p in capstones.PUZZLES} <= set(solved)
     capsys.readouterr()
 
 
@@ -392,3 +399,29 @@ def test_an_output_block_the_grid_returns_to_fails(capsys):
     assert ("the values match, but the out index map leaves block (0, 0) after grid step (0, 0) and "
             "comes back to it at grid step (1, 0)") in out, out
 
+
+
+@pytest.mark.parametrize("path", PUZZLE_NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_learners_run_all_shows_no_solution(path, monkeypatch, capsys):
+    """Without the CI's flag a notebook's solution cells run nothing: every check a learner's Run All
+    prints comes from a stub (and says "not written yet" or fails), never a solution's PASS."""
+    monkeypatch.delenv("TPUATTN_RUN_SOLUTIONS", raising=False)
+    monkeypatch.chdir(NOTEBOOKS)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    namespace = {"__name__": f"notebook_{path.stem}"}
+    before = len(core.RESULTS)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*non-interactive.*")
+        for cell in notebook_cells(path):
+            during = len(core.RESULTS)
+            exec(compile(cell["source"], f"{path.name}:{cell['line']}", "exec"), namespace)  # noqa: S102
+            plt.close("all")
+            if "solution" in cell["tags"]:
+                assert len(core.RESULTS) == during, f"{path.name}:{cell['line']}: a solution ran its check"
+    assert namespace.get("RUN_SOLUTIONS") is False
+    assert all(verdict is not True for _, verdict, _ in core.RESULTS[before:]), core.RESULTS[before:]
+    capsys.readouterr()
