@@ -103,14 +103,12 @@ def compiler_problem(chip_name: str) -> str | None:
     else:
         import jax
         import jax.numpy as jnp
-        from jax.experimental import pallas as pl
 
-        def copy(x_ref, o_ref):
-            o_ref[...] = x_ref[...]
+        from tpuattn.pallas import compat
 
         tile = jax.ShapeDtypeStruct((8, 128), jnp.float32)
         try:
-            compile_for(chip_name, pl.pallas_call(copy, out_shape=tile), [tile])
+            compile_for(chip_name, compat.probe_kernel(), [tile])
             problem = None
         except Exception as error:  # noqa: BLE001 - JAX's runtime error class differs between versions
             problem = f"it cannot compile even a one-tile copy kernel ({first_error_line(error)})"

@@ -150,13 +150,16 @@ def mosaic_file(out: str | os.PathLike, kernel: str, stage: str = "original") ->
 
 def kernel_names(out: str | os.PathLike) -> list[str]:
     """The Pallas kernels a dump holds, by name (the dump's file names carry ids that differ between
-    runs, so their order is not the compile order)."""
+    runs, so their order is not the compile order), but the package's probe of the compiler
+    (``compat.PROBE_KERNEL_NAME``, compiled once per process before the first compile-only program)."""
+    from tpuattn.pallas.compat import PROBE_KERNEL_NAME  # the package's own question to the compiler
+
     names = []
     for path in sorted(Path(out, "mosaic").glob("*-original.txt")):
         named = _mosaic_name(path)
         names += [named] if named else [n for n in re.findall(r"func\.func @(\w+)\(", path.read_text())
                                         if not n.startswith("transform_")]
-    return sorted(set(names))
+    return sorted(set(names) - {PROBE_KERNEL_NAME})
 
 
 def read_bundles(path: str | os.PathLike) -> dict:

@@ -143,6 +143,22 @@ def _hold_lowering_to(reads: int | None) -> None:
     tpu_custom_call.get_ir_version = get_ir_version
 
 
+# The name of the one-tile copy kernel the package compiles to ask the compiler a question (what it
+# reads, whether it works at all): the static reports leave it out of a dump's kernels.
+PROBE_KERNEL_NAME = "tpuattn_probe_copy"
+
+
+def probe_kernel():
+    """A one-tile (8, 128) float32 copy as a ``pallas_call``, its kernel named :data:`PROBE_KERNEL_NAME`."""
+    from jax.experimental import pallas as pl
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    copy.__name__ = copy.__qualname__ = PROBE_KERNEL_NAME
+    return pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+
+
 def match_installed_libtpu(device) -> int | None:
     """Make Mosaic lowering emit the serialization version the installed libtpu reads, as it says.
 
@@ -155,19 +171,13 @@ def match_installed_libtpu(device) -> int | None:
     _skip_layout_query_off_device()
     if _PROBED:
         return _LIBTPU_READS["version"]
-    from jax.experimental import pallas as pl
-
     _PROBED.append(True)
     known = _LIBTPU_READS["version"]
     _hold_lowering_to(None)  # while probing, JAX chooses
 
-    def copy(x_ref, o_ref):
-        o_ref[...] = x_ref[...]
-
     tile = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
-    probe = pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct(tile.shape, tile.dtype))
     try:
-        jax.jit(probe).lower(tile).compile()
+        jax.jit(probe_kernel()).lower(tile).compile()
         reads = None
     except Exception as error:  # noqa: BLE001 - JAX's runtime error class differs between versions
         reads = mosaic_version_refused(str(error))
