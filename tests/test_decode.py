@@ -213,6 +213,15 @@ BAD = [
      "'pages_per_step']"),
     ("paged block", dict(impl="pallas", block_size=8), ValueError,
      "block_size: a paged cache's block is its page; expected None, got 8"),
+    # Before: Pallas's raw "Only interpret mode is supported on CPU backend", and "reference: unknown
+    # option(s) ['block_size']" from an implementation the caller never named.
+    ("compiled off a TPU", dict(impl="pallas", interpret=False), UnsupportedInput,
+     "interpret: expected True or None (interpret mode) for impl='pallas' on backend 'cpu': False "
+     "compiles the Pallas kernel for a TPU"),
+    ("jax_paged compiled off a TPU", dict(impl="jax_paged", interpret=False), UnsupportedInput,
+     "interpret: expected True or None (interpret mode) for impl='jax_paged' on backend 'cpu'"),
+    ("auto with another's option", dict(impl="auto", block_size=8), UnsupportedInput,
+     "impl: 'auto' chose 'reference' for this input on cpu (lowest auto rank"),
     ("jax_paged q_len", dict(impl="jax_paged", q=jnp.zeros((2, 2, 4, 8))), UnsupportedInput,
      "impl: 'jax_paged' does not support this input: JAX's paged_attention takes one query per sequence "
      "(q_len 1), got q_len 2"),

@@ -230,3 +230,40 @@ def test_unknown_option_named():
     with pytest.raises(ValueError,
                        match=r"^reference: unknown option\(s\) \['q_block'\]; expected a subset of \[\]$"):
         call(q_block=128)
+
+
+def test_auto_refuses_an_option_its_choice_does_not_take_naming_the_choice_and_the_takers():
+    """Options are one implementation's knobs and never steer impl="auto". Before, the refusal came from
+    the chosen implementation and named it alone: "xla: unknown option(s) ['backward']"."""
+    q, k, v = arrays()
+    spec = tpuattn.make_spec(q, k, v)[-1]
+    chosen = api.choose(spec)
+    if "pallas" not in tpuattn.implementations() or "backward" in api.get_implementation(chosen.impl).options:
+        pytest.skip("needs an auto choice without backward= and pallas available")
+    with pytest.raises(tpuattn.UnsupportedInput,
+                       match=rf"^impl: 'auto' chose '{chosen.impl}' for this input on {chosen.backend} "
+                             rf"\(lowest auto rank .*\), and '{chosen.impl}' takes no option \['backward'\] "
+                             r"\(its options: \[.*\]\); 'pallas' takes it: pass impl='pallas'\. impl='auto' "
+                             r"chooses by the input alone, never by the options$"):
+        tpuattn.attention(q, k, v, impl="auto", backward="fast")
+    with pytest.raises(tpuattn.UnsupportedInput, match=r"takes no option \['nope'\] .*; no available "
+                                                       r"implementation takes it\."):
+        tpuattn.attention(q, k, v, impl="auto", nope=1)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "splash"])
+def test_compiling_a_pallas_kernel_off_a_tpu_is_refused_by_name(impl):
+    """Before: Pallas's raw "Only interpret mode is supported on CPU backend"."""
+    if impl not in tpuattn.implementations():
+        pytest.skip(f"{impl} not available")
+    from tpuattn import chips
+
+    if chips.target_backend() == "tpu":
+        pytest.skip("on a TPU interpret=False compiles")
+    q, k, v = arrays(q_shape=(1, 128, 2, 64), kv_shape=(1, 128, 2, 64))
+    with pytest.raises(tpuattn.UnsupportedInput,
+                       match=rf"^interpret: expected True or None \(interpret mode\) for impl='{impl}' on "
+                             rf"backend '{chips.target_backend()}': False compiles the Pallas kernel for a "
+                             r"TPU, which this target is not \(compile for one inside "
+                             r"tpuattn\.chips\.target\(\.\.\.\)\); got False$"):
+        tpuattn.attention(q, k, v, impl=impl, interpret=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tpuattn import chips
+from tpuattn.errors import UnsupportedInput
 
 
 def long_enough_for_flash(spec) -> bool:
@@ -26,3 +27,18 @@ def low_precision_matmul_refused(spec, backend: str | None, impl: str) -> str | 
         return None
     return (f"{spec.dtype} on TPU {chip.name}: Mosaic there has no {spec.dtype} matmul operands (the kernel "
             f"would not compile); cast q, k, v to float32 for impl='{impl}', or use impl='xla'")
+
+
+def compiling_off_tpu_refused(interpret, impl: str) -> None:
+    """Refuse ``interpret=False`` (compile the Pallas TPU kernel) when the target is not a TPU.
+
+    Pallas compiles these kernels for a TPU only; elsewhere its own message is a bare "Only interpret
+    mode is supported on CPU backend". Inside :func:`tpuattn.chips.target` the target is a TPU, and
+    an ahead-of-time compile for it is what ``interpret=False`` asks for.
+    """
+    backend = chips.target_backend()
+    if interpret is False and backend != "tpu":
+        raise UnsupportedInput(
+            f"interpret: expected True or None (interpret mode) for impl='{impl}' on backend "
+            f"{backend!r}: False compiles the Pallas kernel for a TPU, which this target is not (compile "
+            f"for one inside tpuattn.chips.target(...)); got False")

@@ -58,7 +58,7 @@ from tpuattn.decode.spec import DecodeSpec, padded_rows
 from tpuattn.numerics import apply_softcap, first_order_only, matmul_precision
 from tpuattn.pallas.layout import LANES, NT_DIMS
 from tpuattn.sinks import sink_partial
-from tpuattn.supports import low_precision_matmul_refused
+from tpuattn.supports import compiling_off_tpu_refused, low_precision_matmul_refused
 
 OPTIONS = ("block_size", "chunk_blocks", "pages_per_step", "interpret")
 DEFAULT_BLOCK_SIZE = 512  # rows of a contiguous cache per block
@@ -342,6 +342,7 @@ def resolve_interpret(interpret):
     if interpret is None:
         return chips.target_backend() != "tpu"
     if isinstance(interpret, bool):
+        compiling_off_tpu_refused(interpret, "pallas")
         return interpret
     raise ValueError(f"interpret: expected None, True or False, got {interpret!r}")
 

@@ -47,14 +47,17 @@ from tpuattn.decode import compat
 from tpuattn.decode.registry import register
 from tpuattn.decode.spec import DecodeSpec
 from tpuattn.numerics import x64
-from tpuattn.supports import low_precision_matmul_refused
+from tpuattn.supports import compiling_off_tpu_refused, low_precision_matmul_refused
 
 OPTIONS = ("interpret",)
 
 
-def _interpreting(interpret) -> contextlib.AbstractContextManager:
+def _interpreting(interpret, impl: str) -> contextlib.AbstractContextManager:
     if interpret is None:
         interpret = chips.target_backend() != "tpu"
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret: expected None, True or False, got {interpret!r}")
+    compiling_off_tpu_refused(interpret, impl)
     if interpret:
         return compat.force_tpu_interpret_mode()
     return contextlib.nullcontext()
@@ -106,7 +109,7 @@ def jax_paged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec,
     k_pages, v_pages = (x.transpose(2, 0, 1, 3) for x in (k_pages, v_pages))  # [hk, pages, size, d]
     q1 = (q[:, 0].astype(jnp.float32) * spec.scale).astype(q.dtype)
     block = _compute_block(table.shape[1], k_pages.shape[2])
-    with _interpreting(options.get("interpret")), x64(False):
+    with _interpreting(options.get("interpret"), "jax_paged"), x64(False):
         out = paged_attention(q1, k_pages, v_pages, lengths, table, attn_logits_soft_cap=spec.softcap,
                               pages_per_compute_block=block)
     out = jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
@@ -144,7 +147,7 @@ def jax_ragged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec
 
     blocks = dict(num_kv_pages_per_block=_compute_block(page_table.shape[1], k_cache.shape[1]),
                   num_queries_per_block=8)
-    with _interpreting(options.get("interpret")):
+    with _interpreting(options.get("interpret"), "jax_ragged"):
         return ragged_translation(functools.partial(ragged_paged_attention, **blocks), q, k_cache, v_cache,
                                   lengths, page_table, spec)
 

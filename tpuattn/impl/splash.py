@@ -26,7 +26,7 @@ from tpuattn._checks import known_options, positive_int, round_up
 from tpuattn.numerics import first_order_only, x64
 from tpuattn.registry import ScheduleModel, register
 from tpuattn.sharding import mark_varying, varying_axes, vma_checks_off
-from tpuattn.supports import long_enough_for_flash, low_precision_matmul_refused
+from tpuattn.supports import compiling_off_tpu_refused, long_enough_for_flash, low_precision_matmul_refused
 
 # ---------------------------------------------------------------------------- impl="splash"
 SPLASH_OPTIONS = ("block_q", "block_kv", "interpret")
@@ -125,6 +125,7 @@ def splash_attention(q, k, v, segment_ids, spec, *, sinks=None, **options):
     interpret = options.get("interpret", chips.target_backend() != "tpu")
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret: expected a bool, got {interpret!r}")
+    compiling_off_tpu_refused(interpret, "splash")
     sa = _splash_module()
 
     b, q_len, kv_len = spec.batch, spec.q_len, spec.kv_len

@@ -19,6 +19,7 @@ from tpuattn.pallas.forward import forward
 from tpuattn.registry import PartialOps
 from tpuattn.sharding import mark_varying, varying_axes
 from tpuattn.spec import AttentionSpec
+from tpuattn.supports import compiling_off_tpu_refused
 
 OPTIONS = ("backward", "block_sizes", "interpret")
 BACKWARDS = ("exact", "fast")
@@ -56,6 +57,7 @@ def resolve_interpret(interpret) -> Any:
     if interpret is None:
         return chips.target_backend() != "tpu"
     if isinstance(interpret, bool):
+        compiling_off_tpu_refused(interpret, "pallas")
         return interpret
     if interpret == "simulate":
         return pltpu.InterpretParams(detect_races=True)
