@@ -21,6 +21,7 @@ from oracle import oracle_attention, oracle_grads
 
 import tpuattn
 from tpuattn import chips
+from tpuattn.errors import UnsupportedInput
 from tpuattn.pallas import (
     BackwardBlocks,
     BlockSizes,
@@ -414,13 +415,16 @@ def test_race_flag_is_read_where_this_jax_keeps_it(racy):
 def test_interpret_mode_is_the_default_off_tpu():
     assert jax.default_backend() != "tpu"
     assert resolve_interpret(None) is True
-    assert resolve_interpret(False) is False
+    refusal = r"^interpret: expected True or None .*impl='pallas'.*got False$"
+    with pytest.raises(UnsupportedInput, match=refusal):
+        resolve_interpret(False)  # compiling off a TPU target (before: Pallas's raw message later)
     simulated = resolve_interpret("simulate")
     assert isinstance(simulated, pltpu.InterpretParams) and simulated.detect_races
     with pytest.raises(ValueError, match="interpret: expected None, True, False, 'simulate'"):
         resolve_interpret("fast")
     with chips.target("v5e"):  # an ahead-of-time compile for a TPU compiles the kernels
         assert resolve_interpret(None) is False
+        assert resolve_interpret(False) is False
 
 
 @pytest.mark.parametrize(

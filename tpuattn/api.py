@@ -91,10 +91,12 @@ def choose_implementation(spec: AttentionSpec, backend: str | None = None) -> st
 
 
 def resolve(impl: str, spec: AttentionSpec, backend: str | None = None, *,
-            subset: Subset | None = None) -> Implementation:
+            subset: Subset | None = None, options=()) -> Implementation:
     """The implementation that will serve ``spec``: checks availability and support, raising
-    :class:`~tpuattn.errors.UnavailableImplementation` or :class:`~tpuattn.errors.UnsupportedInput`."""
-    return REGISTRY.resolve(impl, spec, backend, subset=subset)
+    :class:`~tpuattn.errors.UnavailableImplementation` or :class:`~tpuattn.errors.UnsupportedInput`
+    (also for ``"auto"`` when its choice takes none of the option names in ``options``, the
+    implementation's knobs, which never steer the choice)."""
+    return REGISTRY.resolve(impl, spec, backend, subset=subset, options=options)
 
 
 def attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
@@ -128,9 +130,9 @@ def attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=Non
     q, k, v, segments, spec = make_spec(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids,
                                         window=window, softcap=softcap)
     if sinks is None:
-        return resolve(impl, spec).fn(q, k, v, segments, spec, **options)
+        return resolve(impl, spec, options=options).fn(q, k, v, segments, spec, **options)
     sinks = normalise_sinks(sinks, spec.num_q_heads)
-    record = resolve(impl, spec, subset=TAKES_SINKS)
+    record = resolve(impl, spec, subset=TAKES_SINKS, options=options)
     if record.takes_sinks:
         return record.fn(q, k, v, segments, spec, sinks=sinks, **options)
     return attention_sinks.attention(record.partial, q, k, v, segments, spec, sinks, **options)

@@ -404,11 +404,14 @@ class Registry(Generic[R]):
             reason += "; then " + ", ".join(f"{n} ({r:g})" for r, _, n in rest)
         return Choice(impl=name, backend=backend, reason=reason, refused=tuple(refused))
 
-    def resolve(self, impl: str, spec, backend: str | None = None, *, subset: Subset | None = None) -> R:
+    def resolve(self, impl: str, spec, backend: str | None = None, *, subset: Subset | None = None,
+                options=()) -> R:
         """The record that will serve ``spec``: ``impl`` by name, or :meth:`choose`'s for ``"auto"``.
 
         Raises :class:`~tpuattn.errors.UnavailableImplementation` (with the reason, an import error
-        for instance) or :class:`~tpuattn.errors.UnsupportedInput` (with ``supports``' reason).
+        for instance) or :class:`~tpuattn.errors.UnsupportedInput` (with ``supports``' reason, or,
+        for ``"auto"``, when the chosen record does not declare every name in ``options``, the
+        options the call passes: :meth:`_options_refused`).
         """
         if not isinstance(impl, str):
             raise TpuattnError(f"impl: expected a string, got {impl!r}")
@@ -417,6 +420,7 @@ class Registry(Generic[R]):
             choice = self.choose(spec, backend, subset=subset)
             log.debug("impl='auto' chose %s", choice)
             impl = choice.impl
+            self._options_refused(choice, options, subset)
         record = self.get(impl)
         if subset is not None and not subset.accepts(record):
             raise UnsupportedInput(f"impl: expected {self._a_noun} that {subset.what} "
@@ -431,6 +435,34 @@ class Registry(Generic[R]):
         if reason is not None:
             raise UnsupportedInput(f"impl: {impl!r} does not support this input: {reason}")
         return record
+
+
+    def _options_refused(self, choice: Choice, options, subset: Subset | None) -> None:
+        """Refuse options that ``"auto"``'s choice does not take, naming the choice and the takers.
+
+        Options are one implementation's knobs (``backward=`` is the Pallas kernel's, ``block_q=``
+        blockwise's and splash's, each with its own meaning), so they never steer the choice, which
+        depends on the input and the backend alone: the same call runs the same kernel whatever
+        tuning it passes. A knob the choice does not have is an error that says what was chosen,
+        which implementations have the knob, and how to ask for one of them by name.
+        """
+        own = sorted(getattr(self.get(choice.impl), "options", ()))
+        unknown = sorted(set(options) - set(own))
+        if not unknown:
+            return
+        takers = [name for name in self.available(subset)
+                  if set(unknown) <= set(getattr(self.get(name), "options", ()))]
+        it = "it" if len(unknown) == 1 else "them"
+        if not takers:
+            where = f"no available {self.noun} takes {it if len(unknown) == 1 else 'them all'}"
+        elif len(takers) == 1:
+            where = f"{takers[0]!r} takes {it}: pass impl={takers[0]!r}"
+        else:
+            where = f"{', '.join(map(repr, takers))} take {it}: pass impl= one of them"
+        raise UnsupportedInput(
+            f"impl: 'auto' chose {choice.impl!r} for this input on {choice.backend} ({choice.reason}), "
+            f"and {choice.impl!r} takes no option {unknown} (its options: {own}); {where}. impl='auto' "
+            f"chooses by the input alone, never by the options")
 
 
 # ---------------------------------------------------------------------------- the attention contract's

@@ -44,10 +44,11 @@ def choose(spec: DecodeSpec, backend: str | None = None) -> Choice:
 TAKES_SINKS = Subset("takes sinks", lambda record: record.takes_sinks)
 
 
-def resolve(impl: str, spec: DecodeSpec, backend: str | None = None) -> DecodeImplementation:
+def resolve(impl: str, spec: DecodeSpec, backend: str | None = None, *, options=()) -> DecodeImplementation:
     """The record that will serve ``spec`` (by name, or ``"auto"``), refused with
-    :class:`~tpuattn.errors.UnavailableImplementation` or :class:`~tpuattn.errors.UnsupportedInput`."""
-    return REGISTRY.resolve(impl, spec, backend)
+    :class:`~tpuattn.errors.UnavailableImplementation` or :class:`~tpuattn.errors.UnsupportedInput`
+    (also for ``"auto"`` when its choice takes none of the option names in ``options``)."""
+    return REGISTRY.resolve(impl, spec, backend, options=options)
 
 
 def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, window=None, softcap=None,
@@ -108,7 +109,8 @@ def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, wind
     q, k_cache, v_cache, lengths, page_table, spec = make_decode_spec(
         q, k_cache, v_cache, lengths, page_table, scale=scale, window=window, softcap=softcap)
     if sinks is None:
-        return resolve(impl, spec).fn(q, k_cache, v_cache, lengths, page_table, spec, **options)
+        return resolve(impl, spec, options=options).fn(q, k_cache, v_cache, lengths, page_table, spec,
+                                                       **options)
     sinks = normalise_sinks(sinks, spec.num_q_heads)
-    record = REGISTRY.resolve(impl, spec, subset=TAKES_SINKS)
+    record = REGISTRY.resolve(impl, spec, subset=TAKES_SINKS, options=options)
     return record.fn(q, k_cache, v_cache, lengths, page_table, spec, sinks=sinks, **options)

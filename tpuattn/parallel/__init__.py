@@ -72,9 +72,10 @@ def _divides(name: str, what: str, size: int, parts: int, axis_name: str, extra:
                          f"{axis_name!r}{extra}), got {size}")
 
 
-def _local_impl(impl: str, spec, backend: str):
-    """The local kernel's record: by name, or ``"auto"`` by ``partial_rank`` (the contract's machinery)."""
-    return api.resolve(impl, spec, backend, subset=api.RETURNS_PARTIALS)
+def _local_impl(impl: str, spec, backend: str, options=()):
+    """The local kernel's record: by name, or ``"auto"`` by ``partial_rank`` (the contract's machinery;
+    ``options`` the kernel would not take are refused there, naming the kernels that take them)."""
+    return api.resolve(impl, spec, backend, subset=api.RETURNS_PARTIALS, options=options)
 
 
 def attention(q, k, v, *, mesh, seq_axis=None, head_axis=None, batch_axis=None, strategy="ring",
@@ -113,7 +114,7 @@ def attention(q, k, v, *, mesh, seq_axis=None, head_axis=None, batch_axis=None, 
     _divides("k", "a sequence length", spec.kv_len, ns * c, seq_axis, per)
 
     backend = chips.target_backend()
-    record = _local_impl(impl, spec, backend)
+    record = _local_impl(impl, spec, backend, options)
     # Every local kernel returns partial results, so each takes sinks (tpuattn.sinks) as the contract does.
     attend = record.fn if sinks is None else functools.partial(attention_sinks.attention, record.partial)
     shares = dict(batch=spec.batch // nb, num_q_heads=spec.num_q_heads // nh,
