@@ -122,7 +122,9 @@ def attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=Non
         by ``splash`` (JAX's kernel has its own); ``"auto"`` chooses among them; ``xla`` refuses.
       impl: an implementation name from :func:`implementations`, or ``"auto"``
         (see :func:`choose`; the choice is logged at debug level on the ``tpuattn`` logger).
-      **options: passed to the implementation (block sizes, for example).
+      **options: passed to the implementation (block sizes, for example). They never steer
+        ``"auto"``: an option its choice does not take is refused (``UnsupportedInput``) with the
+        choice and the implementations that take it; name one of those as ``impl``.
 
     Returns:
       An array of q's shape and dtype. A query that sees no key returns zeros.

@@ -436,7 +436,6 @@ class Registry(Generic[R]):
             raise UnsupportedInput(f"impl: {impl!r} does not support this input: {reason}")
         return record
 
-
     def _options_refused(self, choice: Choice, options, subset: Subset | None) -> None:
         """Refuse options that ``"auto"``'s choice does not take, naming the choice and the takers.
 
