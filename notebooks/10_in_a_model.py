@@ -53,6 +53,7 @@ if "google.colab" in sys.modules:
             "(python -m pip wheel --no-deps .), upload it to the runtime and pip install it.")
 
 # %% tags=["nbval-ignore-output"]
+import os
 import tempfile
 import time
 
@@ -87,6 +88,9 @@ BIG_D_MODEL, BIG_LAYERS, BIG_HEADS, BIG_KV_HEADS, BIG_MLP_DIM = 1024, 1, 8, 2, 4
 BIG_SEQ = 8192  # tokens in one training sequence
 BIG_SLOTS, BIG_PAGE, BIG_PAGES_PER_SEQ = 8, 64, 128  # decode: 8 sequences of up to 8192 positions
 RUN_COMPILES = True  # section 5: compile for TPU v5e when the TPU compiler is installed
+# The hidden solution cells run only when this is True, so Run All shows your own results alone.
+# The project's CI sets it (TPUATTN_RUN_SOLUTIONS=1): the committed outputs include the solutions'.
+RUN_SOLUTIONS = os.environ.get("TPUATTN_RUN_SOLUTIONS") == "1"
 
 # %%
 style.use_style()
@@ -464,24 +468,43 @@ def check_exercises(pages_needed, next_token):
 check_exercises(pages_needed, next_token)
 
 # %% [markdown]
+# ## References
+#
+# - A. Vaswani et al., "Attention Is All You Need", 2017, arXiv:1706.03762 (the decoder-only
+#   transformer's attention and residual blocks).
+# - B. Zhang, R. Sennrich, "Root Mean Square Layer Normalization", 2019, arXiv:1910.07467 (RMSNorm).
+# - J. Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021,
+#   arXiv:2104.09864 (RoPE).
+# - J. Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
+#   Checkpoints", 2023, arXiv:2305.13245 (grouped-query attention).
+# - N. Shazeer, "GLU Variants Improve Transformer", 2020, arXiv:2002.05202 (the SwiGLU MLP).
+# - G.-I. Yu et al., "Orca: A Distributed Serving System for Transformer-Based Generative Models",
+#   OSDI 2022 (iteration-level scheduling: continuous batching).
+# - W. Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+#   PagedAttention", SOSP 2023, arXiv:2309.06180 (vLLM: the paged KV cache, pages from a free list).
+# - Flax (NNX), https://flax.readthedocs.io/; optax,
+#   https://optax.readthedocs.io/; Orbax checkpointing, https://orbax.readthedocs.io/.
+
+# %% [markdown]
 # ## Solutions
 #
-# The cell below is hidden: open it after trying the exercises. It defines a solution for each
-# exercise and runs the same checks.
+# The cell below is collapsed: open it after trying the exercises. It runs the same checks on the
+# solutions, but only when `RUN_SOLUTIONS = True` (the parameters cell; the project's CI sets it), so
+# Run All shows your own results alone.
 
-# %% jupyter={"source_hidden": true} tags=["solution", "hide-input"]
-def pages_needed_solution(prompt_len, new_tokens, page_size):
-    return -(-(prompt_len + new_tokens) // page_size)  # ceil: the last page may be partly empty
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solutions: open after trying the exercises (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def pages_needed_solution(prompt_len, new_tokens, page_size):
+        return -(-(prompt_len + new_tokens) // page_size)  # ceil: the last page may be partly empty
 
+    def next_token_solution(model, tokens):
+        # The whole sequence, no cache. Every new length would compile the model again (seconds each on a
+        # CPU), so pad to a multiple of 64: attention is causal, so the padding after the last token
+        # changes nothing at it (lm.recompute does the same).
+        padded = np.zeros((1, -(-len(tokens) // 64) * 64), np.int32)
+        padded[0, :len(tokens)] = tokens
+        logits = model(jnp.asarray(padded))  # [1, padded length, 256]
+        return int(jnp.argmax(logits[0, len(tokens) - 1]))
 
-def next_token_solution(model, tokens):
-    # The whole sequence, no cache. Every new length would compile the model again (seconds each on a
-    # CPU), so pad to a multiple of 64: attention is causal, so the padding after the last token
-    # changes nothing at it (lm.recompute does the same).
-    padded = np.zeros((1, -(-len(tokens) // 64) * 64), np.int32)
-    padded[0, :len(tokens)] = tokens
-    logits = model(jnp.asarray(padded))  # [1, padded length, 256]
-    return int(jnp.argmax(logits[0, len(tokens) - 1]))
-
-
-check_exercises(pages_needed_solution, next_token_solution)
+    check_exercises(pages_needed_solution, next_token_solution)
