@@ -29,10 +29,10 @@ def test_a_wrong_answer_still_fails():
 # Every committed notebook closes with exercises whose checks go through run_checks, and with one hidden
 # code cell (tags "solution", jupyter.source_hidden) that runs the same checks on the solutions. The
 # exercise names are read off each notebook's own check output, so a new notebook is covered as is.
-# The puzzle notebooks (NN_puzzles*) follow their own convention, one solution per puzzle, checked by
-# tests/test_puzzles.py.
+# The puzzle notebooks (NN_puzzles*, NN_capstones) follow their own convention, one solution per
+# puzzle, checked by tests/test_puzzles.py.
 _ALL_NOTEBOOKS = (Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb")
-NOTEBOOKS = sorted(p for p in _ALL_NOTEBOOKS if "_puzzles" not in p.stem)
+NOTEBOOKS = sorted(p for p in _ALL_NOTEBOOKS if "_puzzles" not in p.stem and "_capstones" not in p.stem)
 REPORT = re.compile(r"^exercise (?P<name>.+?): (?P<state>correct|not done yet)\b", re.MULTILINE)
 DIFFICULTY = re.compile(r"\(\s*[★☆]{3}\s*,\s*\d+\s*min\b")
 # The start of one exercise in the Exercises markdown: "1. **Ridge**", "**1. Ridge.**", "### 1. Ridge",
