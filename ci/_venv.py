@@ -97,6 +97,20 @@ class Env:
               flush=True)
         if self.path.exists():
             shutil.rmtree(self.path)
+        self._fill()
+        if self.kernel:
+            _run([str(self.python), "-m", "ipykernel", "install", "--sys-prefix", "--name", self.kernel,
+                  "--display-name", self.display_name])
+        self._stamp.write_text(self._fingerprint() + "\n")
+        print(f"[setup] {self.name} ready in {time.perf_counter() - start:.0f} s", flush=True)
+        return self
+
+    @property
+    def display_name(self) -> str:
+        return f"Python 3 (tpuattn {self.name})"
+
+    def _fill(self) -> None:
+        """Create the venv and install into it: the pins, then the package (editable, no dependencies)."""
         # A plain venv (with pip, for users who install into it by hand); uv fills it. uv writes no
         # bytecode unless asked: Python writes it for the modules that are imported, on first import.
         _run([sys.executable, "-m", "venv", str(self.path)])
@@ -106,12 +120,6 @@ class Env:
         # satisfy its ranges).
         _run([*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)])
         _run([str(uv()), "pip", "check", "--quiet", "--python", str(self.python)])
-        if self.kernel:
-            _run([str(self.python), "-m", "ipykernel", "install", "--sys-prefix", "--name", self.kernel,
-                  "--display-name", f"Python 3 (tpuattn {self.name})"])
-        self._stamp.write_text(self._fingerprint() + "\n")
-        print(f"[setup] {self.name} ready in {time.perf_counter() - start:.0f} s", flush=True)
-        return self
 
 
 MAIN = Env(".venv", "ci-jax0.10.2.txt", kernel=KERNEL_NAME)
@@ -182,14 +190,9 @@ class ColabEnv(Env):
         digest.update(str(find_python(colab_python_version())).encode())
         return digest.hexdigest()
 
-    def ensure(self) -> Env:
-        if self.is_current():
-            return self
-        start = time.perf_counter()
-        print(f"[setup] building {self.name} from {self.pins.relative_to(ROOT)} (first use or pins changed)",
-              flush=True)
-        if self.path.exists():
-            shutil.rmtree(self.path)
+    display_name = "Python 3 (tpuattn, Colab's TPU runtime)"
+
+    def _fill(self) -> None:
         _run([str(find_python(colab_python_version())), "-m", "venv", str(self.path)])
         constraints = self.path / "colab-constraints.txt"
         constraints.write_text("".join(f"{name}=={version}\n" for name, version in colab_pins().items()))
@@ -198,11 +201,6 @@ class ColabEnv(Env):
         wrong = colab_mismatches(self)
         if wrong:
             raise SystemExit(f"[setup] {self.name} differs from Colab's pins: {', '.join(wrong)}")
-        _run([str(self.python), "-m", "ipykernel", "install", "--sys-prefix", "--name", self.kernel,
-              "--display-name", "Python 3 (tpuattn, Colab's TPU runtime)"])
-        self._stamp.write_text(self._fingerprint() + "\n")
-        print(f"[setup] {self.name} ready in {time.perf_counter() - start:.0f} s", flush=True)
-        return self
 
 
 def installed(env: Env) -> dict[str, str]:
