@@ -202,7 +202,7 @@ def test_stubs_fail_and_solutions_pass(path, monkeypatch, capsys):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    monkeypatch.chdir(NOTEBOOKS)  # as ci/notebooks.py runs them: ../figures is the figures folder
+    monkeypatch.chdir(NOTEBOOKS)  # as ci/notebooks.py runs them (figures: ../out/figures unless set)
     compiles = importlib.util.find_spec("libtpu") is not None
     namespace = {"__name__": f"notebook_{path.stem}"}
     stub = None  # the open puzzle: {"line", "results"}
