@@ -101,14 +101,10 @@ def compiler_problem(chip_name: str) -> str | None:
     elif not chip_known(chip_name):
         problem = f"the installed libtpu does not know {chip_name}"
     else:
-        import jax
-        import jax.numpy as jnp
-
         from tpuattn.pallas import compat
 
-        tile = jax.ShapeDtypeStruct((8, 128), jnp.float32)
         try:
-            compile_for(chip_name, compat.probe_kernel(), [tile])
+            compile_for(chip_name, compat.probe_kernel(), [compat.probe_argument()])
             problem = None
         except Exception as error:  # noqa: BLE001 - JAX's runtime error class differs between versions
             problem = f"it cannot compile even a one-tile copy kernel ({first_error_line(error)})"

@@ -98,8 +98,8 @@ INTERPRETER_READS_VARYING_TABLES = False
 # write (seen here with match_installed_libtpu's probe: libtpu 0.0.21.1, Colab's TPU runtime's, reports
 # a build of 2025-08-25 and reads up to version 7, while JAX 0.7.2 writes 8 for builds after
 # 2025-08-14). With one of them installed, every lowering in the process is held to what it reads from
-# the start -- on a real TPU too, where no compile-only device is made to ask. The test command's colab
-# stage holds this table to the probe (tests/test_puzzles.py).
+# the start -- on a real TPU too, where no compile-only device is made to ask. tests/test_aot_libtpu.py
+# holds this table to the probe (in the compile stages and in the colab stage, on libtpu 0.0.21.1).
 KNOWN_LIBTPU_READS = {"0.0.21.1": 7}
 # The newest Mosaic serialization version lowering may write in this process (None: JAX's own choice),
 # and whether the probe has run.
@@ -148,15 +148,21 @@ def _hold_lowering_to(reads: int | None) -> None:
 PROBE_KERNEL_NAME = "tpuattn_probe_copy"
 
 
+def probe_argument(sharding=None) -> jax.ShapeDtypeStruct:
+    """The probe kernel's one argument (and its output's shape): one float32 (8, 128) tile."""
+    return jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=sharding)
+
+
 def probe_kernel():
-    """A one-tile (8, 128) float32 copy as a ``pallas_call``, its kernel named :data:`PROBE_KERNEL_NAME`."""
+    """A one-tile copy (:func:`probe_argument`) as a ``pallas_call``, its kernel named
+    :data:`PROBE_KERNEL_NAME`."""
     from jax.experimental import pallas as pl
 
     def copy(x_ref, o_ref):
         o_ref[...] = x_ref[...]
 
     copy.__name__ = copy.__qualname__ = PROBE_KERNEL_NAME
-    return pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    return pl.pallas_call(copy, out_shape=probe_argument())
 
 
 def match_installed_libtpu(device) -> int | None:
@@ -175,7 +181,7 @@ def match_installed_libtpu(device) -> int | None:
     known = _LIBTPU_READS["version"]
     _hold_lowering_to(None)  # while probing, JAX chooses
 
-    tile = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    tile = probe_argument(jax.sharding.SingleDeviceSharding(device))
     try:
         jax.jit(probe_kernel()).lower(tile).compile()
         reads = None
@@ -214,5 +220,6 @@ def _skip_layout_query_off_device() -> None:
     pxla.is_default_layout = is_default_layout
 
 
-if KNOWN_LIBTPU_READS.get(installed_libtpu() or "") is not None:
-    _hold_lowering_to(KNOWN_LIBTPU_READS[installed_libtpu()])
+_KNOWN_READS = KNOWN_LIBTPU_READS.get(installed_libtpu() or "")
+if _KNOWN_READS is not None:
+    _hold_lowering_to(_KNOWN_READS)
