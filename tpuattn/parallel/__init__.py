@@ -35,9 +35,9 @@ from jax.sharding import PartitionSpec as P
 
 from tpuattn import api, chips
 from tpuattn import sinks as attention_sinks
-from tpuattn.parallel.layout import from_zigzag, to_zigzag, zigzag_order
-from tpuattn.parallel.plan import LAYOUTS, RingPlan, allgather_plan, chunks_per_device, ring_plan
 from tpuattn.parallel.ring import allgather_local, ring_local, work_per_step
+from tpuattn.parallel.schedule import LAYOUTS, RingPlan, allgather_plan, chunks_per_device, ring_plan
+from tpuattn.parallel.zigzag import from_zigzag, to_zigzag, zigzag_order
 from tpuattn.sharding import mark_varying, varying_axes
 from tpuattn.spec import block_spec, make_spec, normalise_sinks
 

@@ -34,8 +34,8 @@ from jax import lax
 
 from tpuattn import sinks as attention_sinks
 from tpuattn import softmax
-from tpuattn.parallel.layout import from_zigzag
-from tpuattn.parallel.plan import RingPlan, allgather_plan, ring_plan
+from tpuattn.parallel.schedule import RingPlan, allgather_plan, ring_plan
+from tpuattn.parallel.zigzag import from_zigzag
 from tpuattn.registry import PartialOps
 from tpuattn.sharding import mark_varying, varying_axes
 from tpuattn.spec import AttentionSpec
