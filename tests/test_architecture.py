@@ -154,7 +154,7 @@ LAYERS = [
     # facts: each imports only the standard library and JAX
     ("tpuattn._checks", "tpuattn.errors", "tpuattn.chips", "tpuattn.softmax", "tpuattn.sharding"),
     ("tpuattn.numerics", "tpuattn.sinks"),  # the one matmul reads the target chip's backend
-    ("tpuattn.spec",),
+    ("tpuattn.spec", "tpuattn.options"),
     ("tpuattn.registry", "tpuattn.supports"),
     ("tpuattn.impl", "tpuattn.pallas"),
     ("tpuattn.api",),
