@@ -822,7 +822,7 @@ check(f"step 5b, scheduled, causal window ({WINDOW_LEFT}, 0), GQA",
 # What the schedule saved, counted from the tables: grid steps walked and computed, and K/V fetches
 # (a fetch wherever the index map's block differs from the previous step's, as the pipeline does),
 # against the lesson kernel's full grid with its clamp. The fetch count is checked against
-# `tpuattn.pallas.kv_schedule`, which walks the package's own schedule and index maps. Then Mosaic's
+# `tpuattn.model.counts.kv_schedule`, which walks the package's own schedule and index maps. Then Mosaic's
 # verdict on the scheduled kernel.
 
 # %%
@@ -830,8 +830,8 @@ kv_index, kv_count = block_tables(WINDOW_LEN, WINDOW_LEN, BLOCK_Q, BLOCK_KV, cau
 heads, num_q_blocks, n = q_w.shape[2], WINDOW_LEN // BLOCK_Q, WINDOW_LEN // BLOCK_KV
 walk = kv_index.reshape(-1)  # one head's walk through (q block, step)
 fetches = 1 + int(np.count_nonzero(walk[1:] != walk[:-1]))
-package_walk = tpuattn.pallas.kv_schedule(counts.spec_for(WINDOW_LEN, causal=True, window=(WINDOW_LEFT, 0)),
-                                          tpuattn.pallas.ForwardBlocks(BLOCK_Q, BLOCK_KV))
+package_walk = counts.kv_schedule(counts.spec_for(WINDOW_LEN, causal=True, window=(WINDOW_LEFT, 0)),
+                                  tpuattn.pallas.ForwardBlocks(BLOCK_Q, BLOCK_KV))
 assert fetches == package_walk.total_fetched and int(kv_count.sum()) == package_walk.total_computed
 print(f"causal window ({WINDOW_LEFT}, 0), {WINDOW_LEN} tokens, {heads} query heads, "
       f"{BLOCK_Q} x {BLOCK_KV} blocks:")
@@ -841,7 +841,7 @@ print(f"  scheduled grid                  {(1, heads, num_q_blocks, kv_index.sha
       f"{heads * kv_index.size} steps walked, {heads * int(kv_count.sum())} compute, {heads * fetches} "
       f"K/V fetches (per head {fetches}; the package's walk: {package_walk.total_fetched})")
 # The package's grid steps over head blocks: a step serves the query heads of a GQA group.
-package_gqa = tpuattn.pallas.kv_schedule(
+package_gqa = counts.kv_schedule(
     counts.spec_for(WINDOW_LEN, causal=True, window=(WINDOW_LEFT, 0), num_q_heads=heads,
                     num_kv_heads=k_w.shape[2]), tpuattn.pallas.ForwardBlocks(BLOCK_Q, BLOCK_KV))
 assert package_gqa.total_fetched == k_w.shape[2] * fetches
@@ -945,8 +945,8 @@ for name, got, want in zip(("dQ", "dK", "dV"), grads, grads_ref, strict=True):
 # and backward beside splash's.
 
 # %%
+from tpuattn.model.counts import matmuls_per_step
 from tpuattn.numerics import x64
-from tpuattn.pallas.plan import matmuls_per_step
 
 
 def pallas_backward(backward, **kw):
@@ -1177,11 +1177,11 @@ print(counts.format_table(rows))
 #
 # **The count.** At 4096 tokens, 128-blocks, causal, the kernel computes and
 # fetches only about half of the kv blocks the unmasked kernel does. The counts come from
-# `tpuattn.pallas.kv_schedule` -- the same schedule arrays and index maps the kernel runs:
+# `tpuattn.model.counts.kv_schedule` -- the same schedule arrays and index maps the kernel runs:
 
 # %%
 spec_4096 = counts.spec_for(4096, causal=True)
-schedule = tpuattn.pallas.kv_schedule(spec_4096, tpuattn.pallas.ForwardBlocks(128, 128))
+schedule = counts.kv_schedule(spec_4096, tpuattn.pallas.ForwardBlocks(128, 128))
 print("4096 tokens, 128 x 128 blocks, causal (one batch row, one head):")
 print(f"  kv blocks computed: {schedule.total_computed} of {schedule.unmasked_computed} "
       f"= {100 * schedule.computed_fraction:.2f}%")
@@ -1358,7 +1358,7 @@ def check_fetches(causal_fetches):
     for n in range(1, 13):
         mine = causal_fetches(n)
         spec = counts.spec_for(128 * n, causal=True)
-        schedule = tpuattn.pallas.kv_schedule(spec, tpuattn.pallas.ForwardBlocks(128, 128))
+        schedule = counts.kv_schedule(spec, tpuattn.pallas.ForwardBlocks(128, 128))
         assert mine == schedule.total_fetched, (n, mine, schedule.total_fetched)
 
 

@@ -110,8 +110,8 @@ import numpy as np
 from tpuattn import chips
 from tpuattn.measure import bench
 from tpuattn.model import roofline
-from tpuattn.viz import bench as bench_plots
 from tpuattn.viz import style
+from tpuattn.viz import timings as bench_plots
 
 style.use_style()
 on_tpu = PLATFORM.on_tpu

@@ -21,10 +21,10 @@ from tpuattn.measure import bench
 
 PACKAGE = Path(tpuattn.__file__).resolve().parent
 ROOT = PACKAGE.parent
-# Kept import paths: each is the module below it (the same object in sys.modules), so an edge to one
-# is an edge to the module it stands for.
-ALIASES = {"tpuattn.bench": "tpuattn.measure.bench", "tpuattn.roofline": "tpuattn.model.roofline",
-           "tpuattn.aot": "tpuattn.measure.aot"}
+# The command-line entries: each, imported, is the module it runs (the same object in sys.modules), so
+# an edge to one is an edge to the module it stands for. They are the only modules allowed to share a
+# name with another (test_no_two_modules_share_a_name).
+ALIASES = {"tpuattn.bench": "tpuattn.measure.bench", "tpuattn.aot": "tpuattn.measure.aot"}
 # A string literal naming a module or something in one ("tpuattn.impl.xla", "tpuattn.x.function").
 DOTTED = re.compile(r"tpuattn(\.[A-Za-z_]\w*)+")
 
@@ -157,6 +157,7 @@ LAYERS = [
     ("tpuattn.spec", "tpuattn.options"),
     ("tpuattn.registry", "tpuattn.supports"),
     ("tpuattn.impl", "tpuattn.pallas"),
+    ("tpuattn.lesson",),  # notebook 03's kernels: teaching code on the package's Pallas helpers
     ("tpuattn.api",),
     # Beyond one call on one chip: many chips (sharded and ring attention) and decode over a KV cache.
     # Both build on the contract and the kernels below and are measured and modelled by the layers above.

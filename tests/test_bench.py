@@ -161,7 +161,7 @@ def test_cli_writes_files(tmp_path, capsys):
         figures = ["--figures"]
     except ImportError:
         figures = []
-    from tpuattn.viz import bench as bench_figures  # what `python -m tpuattn.bench` passes
+    from tpuattn.viz import timings as bench_figures  # what `python -m tpuattn.bench` passes
 
     out = tmp_path / "bench"
     bench.main(["--impls", "reference", "--seq-lens", "16", "--heads", "1", "--head-dim", "8",

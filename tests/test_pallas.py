@@ -22,6 +22,7 @@ from oracle import oracle_attention, oracle_grads
 import tpuattn
 from tpuattn import chips
 from tpuattn.errors import UnsupportedInput
+from tpuattn.model.counts import kv_schedule, walk_grid
 from tpuattn.pallas import (
     BackwardBlocks,
     BlockSizes,
@@ -30,14 +31,12 @@ from tpuattn.pallas import (
     compat,
     default_block_sizes,
     forward_vmem_bytes,
-    kv_schedule,
     plan,
     races_found,
     reset_races,
     resolve_interpret,
 )
 from tpuattn.pallas.layout import Layout
-from tpuattn.pallas.plan import walk_grid
 from tpuattn.spec import AttentionSpec, MaskSpec
 
 FWD_TOL, GRAD_TOL = 2e-5, 1e-4  # float32 against the float64 oracle, as the shared suite

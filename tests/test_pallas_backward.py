@@ -14,7 +14,7 @@ from oracle import oracle_attention, oracle_grads
 from test_hardening import _one_hot_rows
 
 import tpuattn
-from tpuattn.pallas.plan import matmuls_per_step
+from tpuattn.model.counts import matmuls_per_step
 
 CASE = {case.name: case for case in CASES}
 

@@ -91,7 +91,7 @@ def test_memory_plot_colours_by_implementation_and_draws_guides():
 
 def test_bench_figures_use_the_implementation_colours():
     from tpuattn.measure.bench import TIMING_COMPILED, BenchResults
-    from tpuattn.viz import bench as bench_figures
+    from tpuattn.viz import timings as bench_figures
 
     row = dict(mode="fwd", status="ok", timing_kind=TIMING_COMPILED, causal=False, dtype="float32")
     rows = [dict(row, impl=impl, seq_len=n, median_s=1e-3 * n)
@@ -127,7 +127,7 @@ def _rows_with_interpreted():
 
 def test_interpret_mode_rows_never_share_a_time_axis_with_compiled_ones():
     from tpuattn.measure.bench import BenchResults
-    from tpuattn.viz import bench as bench_figures
+    from tpuattn.viz import timings as bench_figures
 
     results = BenchResults(_rows_with_interpreted(), {"label": "cpu", "jax_version": "x"})
     fig, (compiled_ax, interpret_ax) = plt.subplots(1, 2)
@@ -154,7 +154,7 @@ def test_roofline_draws_measured_runs_in_their_implementation_colour_below_the_r
     from matplotlib.colors import to_hex
 
     from tpuattn.model import roofline
-    from tpuattn.viz import bench as bench_figures
+    from tpuattn.viz import timings as bench_figures
 
     chip = roofline.chip_spec("v5e")
     fig, ax = plt.subplots()

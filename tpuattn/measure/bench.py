@@ -24,7 +24,7 @@ From Python::
     results.save("out/bench")          # out/bench/bench.csv, out/bench/bench.json
     print(results.table())
 
-From a shell (``--help`` lists every flag; ``--figures`` draws with :mod:`tpuattn.viz.bench`)::
+From a shell (``--help`` lists every flag; ``--figures`` draws with :mod:`tpuattn.viz.timings`)::
 
     python -m tpuattn.bench --impls reference,blockwise --seq-lens 1024,2048 --modes fwd,fwd+bwd \\
         --causal both --out out/bench --memory --figures
@@ -488,7 +488,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, *,
          save_figures: Callable[[BenchResults, Path], list[Path]] | None = None) -> BenchResults:
     """The command line. ``--figures`` needs ``save_figures`` (``python -m tpuattn.bench`` passes
-    :func:`tpuattn.viz.bench.save_figures`; the measuring layer does not import the figures)."""
+    :func:`tpuattn.viz.timings.save_figures`; the measuring layer does not import the figures)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
     args = p.parse_args(argv)

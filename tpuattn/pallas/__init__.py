@@ -25,8 +25,6 @@ Public names (the submodules hold the rest):
   * :class:`BlockSizes`, :class:`ForwardBlocks`, :class:`BackwardBlocks`, :func:`default_block_sizes`,
     :func:`forward_vmem_bytes`, :func:`backward_vmem_bytes` -- block sizes and the one VMEM model
     (``blocks.dq_vmem_bytes`` and ``blocks.fit_q_heads`` size the head blocks);
-  * :func:`kv_schedule` -> :class:`ScheduleCounts` -- blocks computed / fetched per pass, counted
-    from the kernel's own schedule and index maps (``plan.py``);
   * :func:`flash_forward` (out and logsumexp terms), :func:`flash_backward` (dq, dk, dv);
   * :func:`resolve_interpret`, :func:`races_found`, :func:`reset_races`.
 
@@ -69,7 +67,6 @@ from tpuattn.pallas.blocks import (
 from tpuattn.pallas.compat import races_found, reset_races
 from tpuattn.pallas.forward import forward as flash_forward
 from tpuattn.pallas.layout import STAT_ROWS
-from tpuattn.pallas.plan import ScheduleCounts, kv_schedule
 from tpuattn.pallas.vjp import OPTIONS, PARTIAL, pallas_attention, resolve_interpret
 from tpuattn.registry import ScheduleModel, register
 from tpuattn.supports import low_precision_matmul_refused
@@ -78,13 +75,11 @@ __all__ = [
     "BackwardBlocks",
     "BlockSizes",
     "ForwardBlocks",
-    "ScheduleCounts",
     "backward_vmem_bytes",
     "default_block_sizes",
     "flash_backward",
     "flash_forward",
     "forward_vmem_bytes",
-    "kv_schedule",
     "races_found",
     "reset_races",
     "resolve_interpret",

@@ -28,9 +28,9 @@ the per-block minimum and maximum segment id are computed in JAX before the kern
 tile is kept only if the query block's [min, max] range meets the key block's; the grid
 length stays the position-only one and the schedule arrays become per-batch.
 
-The same functions build the kernel's arrays and answer :func:`kv_schedule`'s counting
-question, and the index maps the kernels use are defined here so that the counts come from
-evaluating them over the grid.
+This module holds only what the kernels run. The counts of what they compute and fetch
+(:func:`tpuattn.model.counts.kv_schedule`) evaluate these same functions and index maps over the
+grid, and :func:`tpuattn.model.counts.matmuls_per_step` reads the kernels' jaxprs.
 """
 
 from __future__ import annotations
@@ -39,25 +39,22 @@ import dataclasses
 import functools
 
 import jax
-import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
 from tpuattn import chips
-from tpuattn._checks import round_up
 from tpuattn.pallas import compat
 from tpuattn.pallas.blocks import (
     backward_vmem_bytes,
-    blocks_for_spec,
     dq_vmem_bytes,
     fit_q_heads,
     forward_vmem_bytes,
     vmem_limit_bytes,
 )
-from tpuattn.pallas.layout import Layout, padded_head_dim, padded_segment_ids
+from tpuattn.pallas.layout import Layout, padded_head_dim
 from tpuattn.sharding import varying_axes
-from tpuattn.spec import EMPTY, FULL, PARTIAL
+from tpuattn.spec import EMPTY, FULL
 
 
 # --------------------------------------------------------------------------- building
@@ -181,8 +178,8 @@ class IntervalRule:
     Both are a few integer operations on the block indices, so the index maps and the kernel body
     compute them from the grid position: no table grows with (queries / block) x (keys / block), which
     at 524,288 tokens overflowed SMEM. :meth:`tables` evaluates the same arithmetic with NumPy, so
-    the counts (:func:`kv_schedule`) and the tests see exactly what the kernel computes; they equal
-    :func:`build_schedule`'s tables (``tests/test_pallas.py``).
+    the counts (:func:`tpuattn.model.counts.kv_schedule`) and the tests see exactly what the kernel
+    computes; they equal :func:`build_schedule`'s tables (``tests/test_pallas.py``).
 
     ``transpose``: the outer blocks are kv blocks (the dK/dV pass), the inner ones query blocks.
     """
@@ -379,7 +376,7 @@ def head_loop(q_heads: int, body) -> None:
     """Run ``body(h)`` for the ``q_heads`` query heads of a grid step, ``h`` a traced int32 (index a
     head block's refs with it: ``q_ref[h]``). A ``fori_loop`` unrolled when lowered, so the compiler
     may overlap one head's matmuls with another's softmax; in the jaxpr one ``scan`` whose body is one
-    head's tile (what :func:`matmuls_per_step` counts)."""
+    head's tile (what :func:`tpuattn.model.counts.matmuls_per_step` counts)."""
     jax.lax.fori_loop(0, q_heads, lambda h, carry: (body(h), carry)[1], 0, unroll=True)
 
 
@@ -449,209 +446,3 @@ def dkv_index_maps(sched: Schedule, group_size: int, q_heads: int = 1):
 
     return {"q": q_map, "q_row": q_row_map, "kv": kv_map, "q_segment": q_segment_map,
             "kv_segment": kv_segment_map}
-
-
-# --------------------------------------------------------------------------- counting
-@dataclasses.dataclass(frozen=True)
-class ScheduleCounts:
-    """Blocks a pass computes and fetches, counted from the kernel's own schedule and index maps.
-
-    ``computed`` counts score tiles, one per query head: ``[batch, num_q_heads, num_q_blocks]``
-    (forward/dQ) or per kv block ``[batch, num_kv_heads, num_kv_blocks]`` (dK/dV, summed over the
-    group). ``fetched`` counts the grid steps at which the streamed operand's block index differs
-    from the previous step's (the pipeline issues a DMA exactly then), per head block of the grid:
-    ``[batch, num_q_heads // q_heads, num_q_blocks]`` (forward/dQ: one K/V fetch serves the
-    ``q_heads`` query heads of a step) or ``[batch, num_kv_heads, num_kv_blocks]`` (dK/dV).
-    ``grid`` is the pass's grid; ``unmasked_*`` are the same counts for the same grid shape with no
-    mask.
-    """
-
-    pass_name: str
-    block_q: int
-    block_kv: int
-    q_heads: int  # query heads one grid step serves
-    grid: tuple[int, ...]
-    num_q_blocks: int
-    num_kv_blocks: int
-    steps: int
-    computed: np.ndarray
-    fetched: np.ndarray
-    unmasked_computed: int
-    unmasked_fetched: int
-    visit_map: np.ndarray  # [batch rows, num_outer, num_inner] tile codes: EMPTY, PARTIAL or FULL
-
-    @property
-    def total_computed(self) -> int:
-        return int(self.computed.sum())
-
-    @property
-    def total_fetched(self) -> int:
-        return int(self.fetched.sum())
-
-    @property
-    def grid_steps(self) -> int:
-        """Steps of the pass's grid (each one pipeline iteration, computing or idle)."""
-        return int(np.prod(self.grid))
-
-    @property
-    def computed_fraction(self) -> float:
-        return self.total_computed / self.unmasked_computed
-
-    @property
-    def fetched_fraction(self) -> float:
-        return self.total_fetched / self.unmasked_fetched
-
-
-def walk_grid(index_map, grid, prefetch) -> np.ndarray:
-    """Evaluate ``index_map`` over ``grid`` in the pipeline's (row-major) order.
-
-    Returns a bool array of the grid's shape: True where the block index differs from the
-    previous grid step's (a DMA is issued; the very first step always fetches).
-    """
-    fetch = np.zeros(grid, bool)
-    previous = None
-    for point in np.ndindex(*grid):
-        block = tuple(int(x) for x in index_map(*point, *prefetch))
-        fetch[point] = block != previous
-        previous = block
-    return fetch
-
-
-def _pass_schedule(spec, pass_name, blocks, segment_ids):
-    if pass_name == "forward":
-        fb = blocks.forward.clamp(spec.q_len, spec.kv_len)
-    elif pass_name in ("dq", "dkv"):
-        fb = blocks.backward.clamp(spec.q_len, spec.kv_len)
-    else:
-        raise ValueError(f"pass_name: expected 'forward', 'dq' or 'dkv', got {pass_name!r}")
-    bq, bk = fb.block_q, fb.block_kv
-    tq, tk = round_up(spec.q_len, bq), round_up(spec.kv_len, bk)
-    transpose = pass_name == "dkv"
-    overlap = None
-    if segment_ids is not None:
-        q_seg, kv_seg = padded_segment_ids([jnp.asarray(s, jnp.int32) for s in segment_ids], bq, bk)
-        overlap = segment_overlap(q_seg, kv_seg, bq, bk, transpose=transpose)
-    sched = schedule(spec.mask, bq, bk, tq, tk, overlap, transpose=transpose)
-    return sched, bq, bk, tq // bq, tk // bk
-
-
-def kv_schedule(spec, block_sizes=None, segment_ids=None, pass_name: str = "forward") -> ScheduleCounts:
-    """Count the blocks a pass computes and fetches, from the schedule and index maps it runs.
-
-    Args:
-      spec: an :class:`tpuattn.AttentionSpec` (e.g. from ``tpuattn.make_spec``).
-      block_sizes: as the ``block_sizes`` option of ``impl="pallas"`` (None = defaults).
-      segment_ids: ``(q_segment_ids, kv_segment_ids)`` when ``spec.has_segments``.
-      pass_name: ``"forward"`` (K/V blocks per q block), ``"dq"`` (same, backward blocks) or
-        ``"dkv"`` (q blocks per kv block).
-    """
-    if spec.has_segments and segment_ids is None:
-        raise ValueError(
-            "segment_ids: expected (q_segment_ids, kv_segment_ids) for a spec with segments, got None")
-    blocks = blocks_for_spec(block_sizes, spec)
-    sched, bq, bk, nq, nk = _pass_schedule(spec, pass_name, blocks, segment_ids)
-    prefetch = sched.tables()
-    count = prefetch[2].reshape(-1, sched.num_outer)
-    rows = count.shape[0]
-    index = prefetch[0].reshape(rows, sched.num_outer, sched.steps)
-    needs = prefetch[1].reshape(rows, sched.num_outer, sched.steps)
-    visit = np.full((rows, sched.num_outer, sched.num_inner), EMPTY, np.int8)
-    for r, o, s in np.ndindex(rows, sched.num_outer, sched.steps):
-        if s < count[r, o]:
-            visit[r, o, index[r, o, s]] = PARTIAL if needs[r, o, s] else FULL
-    _, group, units = head_units(spec)
-    if pass_name == "dkv":
-        q_heads, heads = q_heads_per_step(spec, "dkv", bq, bk), units
-        maps = lambda s: dkv_index_maps(s, group, q_heads)["q"]
-        grid = (spec.batch, heads, sched.num_outer, group // q_heads, sched.steps)
-        inner_per_outer = group * sched.num_inner
-    else:
-        q_heads = q_heads_per_step(spec, "forward" if pass_name == "forward" else "dq", bq, bk)
-        heads = spec.num_q_heads // q_heads  # head blocks
-        maps = lambda s: forward_index_maps(s, group, q_heads)["kv"]
-        grid = (spec.batch, heads, sched.num_outer, sched.steps)
-        inner_per_outer = q_heads * sched.num_inner
-    fetch = walk_grid(maps(sched), grid, prefetch)
-    fetched = fetch.reshape(spec.batch, heads, sched.num_outer, -1).sum(-1)
-    per_row = count[[sched.row(b) for b in range(spec.batch)]]  # [batch, num_outer]
-    tile_heads = spec.num_q_heads if pass_name != "dkv" else heads
-    computed = np.broadcast_to(per_row[:, None, :], (spec.batch, tile_heads, sched.num_outer))
-    if pass_name == "dkv":
-        computed = computed * group
-    unmasked = build_schedule(np.full((sched.num_outer, sched.num_inner), FULL, np.int8))
-    unmasked_grid = grid[:-1] + (unmasked.steps,)
-    unmasked_fetched = int(walk_grid(maps(unmasked), unmasked_grid,
-                                     tuple(np.asarray(a) for a in unmasked.arrays())).sum())
-    return ScheduleCounts(
-        pass_name=pass_name, block_q=bq, block_kv=bk, q_heads=q_heads, grid=grid, num_q_blocks=nq,
-        num_kv_blocks=nk, steps=sched.steps, computed=np.array(computed), fetched=fetched,
-        unmasked_computed=spec.batch * heads * sched.num_outer * inner_per_outer,
-        unmasked_fetched=unmasked_fetched, visit_map=visit)
-
-
-# --------------------------------------------------------------------------- matmuls per tile
-def _sub_jaxprs(value):
-    """The jaxprs held by one equation parameter (a Jaxpr, a ClosedJaxpr, or a sequence of them)."""
-    if isinstance(value, jax_core.ClosedJaxpr):
-        return [value.jaxpr]
-    if isinstance(value, jax_core.Jaxpr):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [j for item in value for j in _sub_jaxprs(item)]
-    return []
-
-
-def _step_matmuls(jaxpr) -> int:
-    """``dot_general`` equations one grid step runs in a kernel body ``jaxpr``.
-
-    The kernels' ``pl.when`` blocks (``cond``) are alternatives: initialise, the masked tile, the
-    unmasked tile (:func:`scheduled_step` guards these two with exclusive conditions), finish. A step
-    that computes a tile runs one of the two tile blocks, so the blocks that hold matmuls must hold the
-    same number, which counts once; a ``cond`` with two live branches counts its costliest. A step
-    serving several query heads loops over them (:func:`head_loop`, a ``scan``, the only loop a
-    kernel may hold): its body is one head's tile and counts once, so the count is per tile whatever
-    the heads per step."""
-    outside, alternatives = 0, set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            outside += 1
-        elif eqn.primitive.name == "cond":
-            n = max(_step_matmuls(branch) for branch in _sub_jaxprs(eqn.params["branches"]))
-            if n:
-                alternatives.add(n)
-        elif eqn.primitive.name == "scan":  # the kernels' one loop: over a step's query heads
-            outside += _step_matmuls(eqn.params["jaxpr"].jaxpr)
-        elif eqn.primitive.name == "while":
-            raise NotImplementedError(f"a loop ({eqn.primitive.name}) inside a kernel: count it by hand")
-        else:
-            outside += sum(_step_matmuls(sub) for value in eqn.params.values() for sub in _sub_jaxprs(value))
-    if len(alternatives) > 1:
-        raise ValueError(f"pl.when blocks with different matmul counts {sorted(alternatives)}: "
-                         "not the masked/unmasked alternatives of one tile")
-    return outside + max(alternatives, default=0)
-
-
-def _kernel_name(params) -> str:
-    name = params.get("name")  # JAX 0.10; 0.7 keeps pallas_call's name= in the kernel's debug info
-    return name if isinstance(name, str) else params["jaxpr"].debug_info.func_name
-
-
-def matmuls_per_step(fn, *args) -> dict[str, int]:
-    """Matmuls per computed grid step (one visible tile) of every ``pallas_call`` in ``fn(*args)``:
-    ``{kernel name: dot_general count}``, read from each kernel's own jaxpr (:func:`jax.make_jaxpr`,
-    so nothing runs). A kernel called more than once must count the same each time."""
-    counts: dict[str, int] = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                name, n = _kernel_name(eqn.params), _step_matmuls(eqn.params["jaxpr"])
-                if counts.setdefault(name, n) != n:
-                    raise AssertionError(f"kernel {name}: {counts[name]} and {n} matmuls in two calls")
-                continue
-            for value in eqn.params.values():
-                for sub in _sub_jaxprs(value):
-                    walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return counts
