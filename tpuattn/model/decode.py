@@ -25,6 +25,20 @@ and ``p.v``, 2 FLOPs per multiply-add each). So
 split-K kernel writes and merges, padding to tiles, and (for the reference) the gathered copy. The
 split-K kernel reads the cache in place, so the compiler's bytes accessed for it stay within 1.25x of
 these bytes (1.09x at notebook 07's serving shape on v5e; ``tests/test_aot_decode.py`` holds it there).
+
+Two things an inference engine's batch adds (:func:`decode_roofline`'s ``q_lens``, ``cache_dtype`` and
+``scales``):
+
+* a **ragged batch**: each sequence has its own number of new queries ``q_lens[b]`` (a chunk of prefill
+  beside single-token decodes; 0 allowed: an idle sequence reads nothing), the queries flat ``[sum(q_lens), heads, head_dim]``. Then
+  ``q_len`` above becomes ``q_lens[b]`` per sequence: the cache term is unchanged, q and the output are
+  ``sum(q_lens)`` rows, ``cu_q_lens`` (``batch + 1``) and ``num_seqs`` (one) int32 are read beside the
+  lengths, and ``visible_b = min(lengths[b], q_lens[b] + left)`` under a window;
+* a **quantized cache**: K and V stored as int8 or fp8 (``float8_e4m3fn``), one byte an element, plus
+  their float32 scales (``scales="tensor"``: one for K and one for V; ``"kv_head"``: one per kv head
+  each), so the cache term is ``visible * 2 * kv_heads * head_dim * 1 + scale bytes``, about half of a
+  bfloat16 cache's. The FLOPs are the same (the kernels dequantize to q's dtype and multiply at its
+  peak), so a quantized cache doubles the intensity and halves ``crossover_q_len``.
 """
 
 from __future__ import annotations
@@ -34,9 +48,14 @@ import dataclasses
 import numpy as np
 
 from tpuattn import chips
+from tpuattn.errors import TpuattnError
 from tpuattn.model import roofline
 
 LABEL = "modelled"
+# Cache dtypes of one byte an element that need scales (a quantized cache), and the scale layouts.
+QUANTIZED_CACHE_DTYPES = ("int8", "float8_e4m3fn")
+SCALES = {None: 0, "tensor": 1, "kv_head": None}  # scales per K (and per V): None = kv_heads
+SCALE_ITEMSIZE = 4  # float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +73,9 @@ class DecodeRoofline:
     memory_bound: bool
     crossover_q_len: float  # q_len at which this problem would stop being memory-bound
     label: str = LABEL
+    cache_dtype: str = "bfloat16"  # K and V as stored (int8 or float8_e4m3fn: quantized)
+    scale_bytes: float = 0.0  # the quantized cache's float32 scales (inside cache_bytes)
+    tokens: int = 0  # new query rows in the step (batch * q_len, or sum(q_lens))
 
     @property
     def bytes(self) -> float:
@@ -64,32 +86,80 @@ class DecodeRoofline:
         return max(self.memory_s, self.compute_s)
 
 
-def visible_positions(lengths, q_len: int, window_left: int | None = None) -> np.ndarray:
+def visible_positions(lengths, q_len, window_left: int | None = None) -> np.ndarray:
+    """Positions a sequence's queries see: ``lengths`` without a window, else ``min(lengths, q_len +
+    left)``; ``q_len`` an int or one per sequence (a ragged batch)."""
     lengths = np.asarray(lengths, np.int64)
-    return lengths if window_left is None else np.minimum(lengths, q_len + window_left)
+    return lengths if window_left is None else np.minimum(lengths, np.asarray(q_len, np.int64) + window_left)
+
+
+def _q_lens(lengths: np.ndarray, q_len: int, q_lens) -> np.ndarray:
+    """One query count per sequence, checked: ``q_len`` for each, or the ragged batch's ``q_lens``."""
+    if q_lens is None:
+        return np.full(len(lengths), q_len, np.int64)
+    if q_len != 1:
+        raise TpuattnError(f"q_len: give q_len (every sequence's new queries) or q_lens (one per sequence), "
+                           f"not both; got q_len={q_len} and q_lens")
+    q_lens = np.asarray(q_lens).reshape(-1)
+    if not np.issubdtype(q_lens.dtype, np.integer) or q_lens.shape != lengths.shape:
+        raise TpuattnError(f"q_lens: expected one integer per sequence ({len(lengths)}), got "
+                           f"{q_lens.dtype} of shape {q_lens.shape}")
+    q_lens = q_lens.astype(np.int64)
+    if (q_lens < 0).any() or (q_lens > lengths).any():
+        raise TpuattnError(f"q_lens: each must be in [0, lengths[b]] (the new queries are the last of a "
+                           f"sequence's positions), got q_lens={q_lens.tolist()} for lengths={lengths.tolist()}")
+    return q_lens
+
+
+def _scale_count(cache_dtype: str, scales, kv_heads: int) -> int:
+    """Scales per K (and per V) of the cache: 0 for a full-width cache, else 1 or ``kv_heads``."""
+    quantized = cache_dtype in QUANTIZED_CACHE_DTYPES
+    if scales not in SCALES:
+        raise TpuattnError(f"scales: expected one of {sorted(s for s in SCALES if s)} (or None for a "
+                           f"full-width cache), got {scales!r}")
+    if quantized and scales is None:
+        raise TpuattnError(f"scales: a {cache_dtype} cache is quantized and needs its scales, 'tensor' or "
+                           f"'kv_head'; got None")
+    if not quantized and scales is not None:
+        raise TpuattnError(f"scales: a {cache_dtype} cache is not quantized (quantized: "
+                           f"{', '.join(QUANTIZED_CACHE_DTYPES)}); got scales={scales!r}")
+    return kv_heads if scales == "kv_head" else SCALES[scales]
 
 
 def decode_roofline(lengths, *, q_len: int = 1, heads: int, kv_heads: int, head_dim: int,
                     dtype="bfloat16", chip="v5e", window_left: int | None = None,
-                    pages_per_sequence: int = 0) -> DecodeRoofline:
+                    pages_per_sequence: int = 0, q_lens=None, cache_dtype=None,
+                    scales: str | None = None) -> DecodeRoofline:
     """The modelled cost of one decode step for ``lengths`` (one per sequence) on one device of ``chip``
-    (a chip name, a :class:`tpuattn.chips.Chip` or a :class:`tpuattn.model.roofline.ChipSpec`)."""
+    (a chip name, a :class:`tpuattn.chips.Chip` or a :class:`tpuattn.model.roofline.ChipSpec`).
+
+    ``dtype`` is q's (and the output's, and the FLOPs' peak); ``cache_dtype`` K and V's as stored
+    (default ``dtype``; ``int8`` or ``float8_e4m3fn`` with ``scales`` ``"tensor"`` or ``"kv_head"``);
+    ``q_lens`` a ragged batch's new queries per sequence (instead of ``q_len`` for each)."""
     device = chip if isinstance(chip, roofline.ChipSpec) else roofline.chip_spec(chip)
     itemsize = roofline._itemsize(dtype)
+    cache_dtype = roofline._dtype_name(cache_dtype or dtype)
+    cache_itemsize = roofline._itemsize(cache_dtype)
     peak = device.peak_flops(dtype)
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     batch = len(lengths)
-    visible = int(visible_positions(lengths, q_len, window_left).sum())
-    cache = visible * 2 * kv_heads * head_dim * itemsize
-    io = 2 * batch * q_len * heads * head_dim * itemsize + 4 * batch * (1 + pages_per_sequence)
-    flops = 4.0 * q_len * heads * head_dim * visible
+    per_seq = _q_lens(lengths, q_len, q_lens)
+    tokens = int(per_seq.sum())
+    visible_b = np.where(per_seq > 0, visible_positions(lengths, per_seq, window_left), 0)  # 0: idle
+    visible = int(visible_b.sum())
+    scale_bytes = 2 * _scale_count(cache_dtype, scales, kv_heads) * SCALE_ITEMSIZE
+    cache = visible * 2 * kv_heads * head_dim * cache_itemsize + scale_bytes
+    metadata = 4 * batch * (1 + pages_per_sequence) + (4 * (batch + 2) if q_lens is not None else 0)
+    io = 2 * tokens * heads * head_dim * itemsize + metadata
+    flops = 4.0 * heads * head_dim * float((visible_b * per_seq).sum())
     ridge = peak / device.hbm_bandwidth
     memory_s, compute_s = (cache + io) / device.hbm_bandwidth, flops / peak
     group = heads // kv_heads
     return DecodeRoofline(chip=device.name, cache_bytes=float(cache), io_bytes=float(io), flops=flops,
                           intensity=flops / (cache + io), ridge=ridge, memory_s=memory_s,
                           compute_s=compute_s, memory_bound=memory_s >= compute_s,
-                          crossover_q_len=ridge * itemsize / (2 * group))
+                          crossover_q_len=ridge * cache_itemsize / (2 * group), cache_dtype=cache_dtype,
+                          scale_bytes=float(scale_bytes), tokens=tokens)
 
 
 def table(lengths, *, q_len=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", chip_names=None,
