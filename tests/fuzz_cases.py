@@ -26,7 +26,7 @@ import numpy as np
 DEFAULT_SEEDS = (0, 1)
 
 # Contract tags, the first word of every case's random stream.
-ATTENTION, PARALLEL, DECODE = 1, 2, 3
+ATTENTION, PARALLEL, DECODE, USER_SHARD_MAP = 1, 2, 3, 4
 
 
 def seeds() -> tuple[int, ...]:
@@ -329,6 +329,80 @@ def parallel_cases(seed: int, count: int, impls: tuple[str, ...]) -> list[Parall
             kv_heads=kv_heads, head_dim=head_dim, causal=bool(rng.random() < 0.6),
             window=draw_window(rng, q_len, kv_len), softcap=draw_softcap(rng), scale=draw_scale(rng),
             segments=draw_segments(rng, q_len == kv_len, p_none=0.4), grad=bool(rng.random() < 0.5)))
+    return cases
+
+
+# ------------------------------------------------------------------------------------ a user's shard_map
+# (devices, batch, q_len, kv_len, q_heads, kv_heads, head_dim): the batch or the heads split over the
+# user's mesh axis, every split even.
+USER_SHARD_MAP_SHAPES = ((4, 4, 16, 16, 4, 2, 8), (2, 2, 24, 16, 4, 2, 16), (2, 2, 16, 24, 4, 4, 8))
+
+
+def draw_sinks(rng, q_heads: int):
+    """None, or one float32 logit per query head: ordinary, large (the sink takes most of the mass) or
+    ``-inf`` (no sink) mixed in one draw."""
+    form = _pick(rng, ("none", "ordinary", "mixed"), p=(1, 2, 2))
+    if form == "none":
+        return None
+    sinks = rng.standard_normal(q_heads) * 2
+    if form == "mixed":
+        sinks[rng.integers(q_heads)] = -np.inf
+        sinks[rng.integers(q_heads)] = rng.uniform(6, 12)
+    return tuple(float(x) for x in sinks.astype(np.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class UserShardMapCase:
+    """The contract called inside the user's own ``jax.shard_map`` (its default checks): inputs split
+    over the batch or the heads, the sinks replicated (``P()``), differentiated eagerly or under jit;
+    after an eager case the same call outside any shard_map (a kernel cache must not keep the trace)."""
+    seed: int
+    index: int
+    devices: int
+    split: str  # "batch" or "heads"
+    batch: int
+    q_len: int
+    kv_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    window: object
+    softcap: object
+    sinks: tuple | None
+    mode: str  # "jit" or "eager"
+    impl: str
+
+    def kwargs(self) -> dict:
+        return dict(causal=self.causal, window=self.window, softcap=self.softcap)
+
+    def oracle_kwargs(self) -> dict:
+        return dict(causal=self.causal, window=oracle_window(self.window),
+                    softcap=None if self.softcap is None else float(self.softcap),
+                    sinks=None if self.sinks is None else np.asarray(self.sinks, np.float64))
+
+    def data(self):
+        rng = np.random.default_rng([USER_SHARD_MAP, self.seed, self.index])
+        q = rng.standard_normal((self.batch, self.q_len, self.q_heads, self.head_dim))
+        k = rng.standard_normal((self.batch, self.kv_len, self.kv_heads, self.head_dim))
+        v = rng.standard_normal((self.batch, self.kv_len, self.kv_heads, self.head_dim))
+        d_out = rng.standard_normal(q.shape)
+        return tuple(x.astype(np.float32) for x in (q, k, v, d_out))
+
+
+def user_shard_map_cases(seed: int, count: int, impls: tuple[str, ...]) -> list[UserShardMapCase]:
+    """``count`` cases, the implementations taken in turn (seed and index), so a few seeds reach all."""
+    cases = []
+    for index in range(count):
+        rng = np.random.default_rng([USER_SHARD_MAP, seed, index, 10**6])
+        devices, batch, q_len, kv_len, q_heads, kv_heads, head_dim = _pick(rng, USER_SHARD_MAP_SHAPES)
+        cases.append(UserShardMapCase(
+            seed=seed, index=index, devices=devices,
+            split="batch" if kv_heads % devices else _pick(rng, ("batch", "heads"), p=(2, 1)),
+            batch=batch, q_len=q_len, kv_len=kv_len, q_heads=q_heads, kv_heads=kv_heads,
+            head_dim=head_dim, causal=bool(rng.random() < 0.6), window=draw_window(rng, q_len, kv_len),
+            softcap=draw_softcap(rng), sinks=draw_sinks(rng, q_heads), mode=_pick(rng, ("jit", "eager")),
+            impl=impls[(seed * count + index) % len(impls)]))
     return cases
 
 

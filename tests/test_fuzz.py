@@ -1,6 +1,7 @@
 """The fuzz harness: seeded random cases of the three contracts against the float64 oracles.
 
-``tpuattn.attention`` (every implementation), ``tpuattn.parallel.attention`` (ring and all-gather on
+``tpuattn.attention`` (every implementation; also inside a user's own ``shard_map``, eager and
+jitted, sinks replicated or split), ``tpuattn.parallel.attention`` (ring and all-gather on
 CPU meshes of the 8 devices conftest.py asks for) and ``tpuattn.decode.attention`` (every
 implementation, paged and contiguous). Cases come from tests/fuzz_cases.py; each one must match the
 independent oracle (tests/oracle.py, tests/decode_oracle.py) within the suite's tolerances per dtype, or
@@ -252,6 +253,64 @@ def test_decode_fuzz(seed):
     outcomes.check(cases, must_run="reference")
 
 
+# ------------------------------------------------------------------------------------ a user's shard_map
+USER_SHARD_MAP_CASES = 2
+
+
+def _user_shard_map(fn, mesh, in_specs, out_specs):
+    """The user's ``shard_map`` with its default checks: ``jax.shard_map`` (JAX 0.10) or
+    ``jax.experimental.shard_map`` (0.7)."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _check_user_shard_map(case):
+    from jax.sharding import PartitionSpec as P
+
+    q, k, v, d_out = case.data()
+    mesh = _mesh((("x", case.devices),))
+    split = P("x") if case.split == "batch" else P(None, None, "x")
+    sink_spec = P() if case.split == "batch" else P("x")  # replicated, or one logit per local head
+    sinks = None if case.sinks is None else jnp.asarray(case.sinks, jnp.float32)
+    attend = lambda q, k, v, z: tpuattn.attention(q, k, v, sinks=z, impl=case.impl, **case.kwargs())
+    if sinks is None:
+        sharded = _user_shard_map(lambda q, k, v: attend(q, k, v, None), mesh, (split,) * 3, split)
+        args, argnums = (q, k, v), (0, 1, 2)
+    else:
+        sharded = _user_shard_map(attend, mesh, (split,) * 3 + (sink_spec,), split)
+        args, argnums = (q, k, v, sinks), (0, 1, 2, 3)
+    loss = lambda *a: jnp.sum(sharded(*a) * d_out)
+    both = jax.value_and_grad(lambda *a: (loss(*a), sharded(*a)), argnums=argnums, has_aux=True)
+    if case.mode == "jit":
+        both = jax.jit(both)
+    (_, out), grads = both(*args)
+    kw = case.oracle_kwargs()
+    _close(out, oracle_attention(q, k, v, **kw), FORWARD_TOL["float32"], "forward")
+    want = oracle_grads(q, k, v, d_out, **kw)
+    for name, got, expected in zip(("dq", "dk", "dv", "dsinks"), grads, want, strict=False):
+        _close(got, expected, GRAD_TOL, f"{name} (the sinks' gradient is the sum of every device's share)")
+    if case.mode == "eager":  # the same call outside any shard_map: no cache may keep the trace
+        _close(tpuattn.attention(q, k, v, sinks=sinks, impl=case.impl, **case.kwargs()),
+               oracle_attention(q, k, v, **kw), FORWARD_TOL["float32"], "forward after the shard_map")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_users_shard_map_fuzz(seed):
+    """The contract inside a user's own ``shard_map``: batch or heads split over 2 or 4 devices, sinks
+    replicated or split with the heads (none, ordinary, or a large one beside ``-inf``), causal,
+    windows and soft-caps; gradients eager or under jit, the sinks' the sum over the devices."""
+    impls = tuple(i for i in tpuattn.implementations() if i != "pallas") + ("pallas",)
+    cases = fuzz_cases.user_shard_map_cases(seed, USER_SHARD_MAP_CASES, impls)
+    outcomes = Outcomes()
+    for case in cases:
+        outcomes.run(case, f"{case.impl} {case.mode} seed={seed} index={case.index}",
+                     lambda case=case: _check_user_shard_map(case))
+    outcomes.check(cases)
+
+
 # ---------------------------------------------------------------------------------------------- the generator
 def test_generator_is_seeded_and_covers_the_space():
     """Same seed, same cases; and across the seeds 0-19 the generator reaches every option it claims."""
@@ -273,6 +332,10 @@ def test_generator_is_seeded_and_covers_the_space():
     par = [c for s in range(20) for c in fuzz_cases.parallel_cases(s, PARALLEL_CASES, PARALLEL_IMPLS)]
     assert {c.strategy for c in par} == {"ring", "allgather"}
     assert {c.layout for c in par} == {"natural", "zigzag"}
+    user = [c for s in range(20) for c in fuzz_cases.user_shard_map_cases(s, USER_SHARD_MAP_CASES, impls)]
+    assert {c.impl for c in user} == set(impls) and {c.mode for c in user} == {"jit", "eager"}
+    assert {c.split for c in user} == {"batch", "heads"} and {c.devices for c in user} == {2, 4}
+    assert any(c.sinks is None for c in user) and any(c.sinks and -np.inf in c.sinks for c in user)
     # Every draw of a case's data: the ids hold their dtype's limits, lengths reach 0 and the capacity,
     # unused page-table entries are -1.
     at_limits = 0
