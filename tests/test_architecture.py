@@ -157,7 +157,7 @@ LAYERS = [
     ("tpuattn.spec", "tpuattn.options"),
     ("tpuattn.registry", "tpuattn.supports"),
     ("tpuattn.impl", "tpuattn.pallas"),
-    ("tpuattn.lesson",),  # notebook 03's kernels: teaching code on the package's Pallas helpers
+    ("tpuattn.lesson",),  # notebook 03's kernels as package code, impl="lesson" among them
     ("tpuattn.api",),
     # Beyond one call on one chip: many chips (sharded and ring attention) and decode over a KV cache.
     # Both build on the contract and the kernels below and are measured and modelled by the layers above.

@@ -26,6 +26,7 @@ IMPLEMENTATION_MODULES = {
     "pallas": ("tpuattn.pallas", 40),
     "splash": ("tpuattn.impl.splash", 50),
     "tokamax": ("tpuattn.impl.tokamax", 60),
+    "lesson": ("tpuattn.lesson.flash", 70),  # notebook 03's kernel: by name only, never by auto
 }
 for _name, (_module, _priority) in IMPLEMENTATION_MODULES.items():
     REGISTRY.declare(_name, _module, priority=_priority)
