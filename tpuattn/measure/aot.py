@@ -710,3 +710,234 @@ def main(argv=None) -> list:
     print("wrote", *save(document("report", rows, command=command, problems=problems,
                                   problem=describe_problems(problems)), args.out))
     return rows
+
+
+# ---------------------------------------------------------------------------- decode engines compiled
+# One serving step of an inference engine compiled for a TPU chip (compiled, not run): the package's
+# split-K decode kernel (``tpuattn.decode.attention(..., impl="pallas")``) beside JAX's ragged paged
+# attention kernel (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, called directly with the
+# cache in its own layout: K and V interleaved per page, ``[pages, page, 2 * kv_heads, head_dim]``, and
+# its block sizes tuned per chip) at the same shapes, with full-width and quantized caches.
+# The shapes: notebook 07's serving batch (8 sequences, 1 new token each, 16 pages of 64 rows per
+# sequence, 32 query heads on 8 kv heads of 128) and a mixed batch in the same cache layout (4 prefill
+# chunks of 256 tokens beside 60 single-token decodes), every sequence's cache full (the compiler
+# cannot know the lengths).
+DECODE_ENGINE_HEADS = dict(heads=32, kv_heads=8, head_dim=128)
+DECODE_ENGINE_SHAPES = {
+    "serve": dict(q_lens=(1,) * 8, page=64, pages_per_sequence=16),
+    "mixed": dict(q_lens=(256,) * 4 + (1,) * 60, page=64, pages_per_sequence=16),
+}
+DECODE_CACHE_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")
+DECODE_ENGINES = ("tpuattn", "jax_ragged")
+# ``unavailable``: the engine has no such input yet (or is not installed); its error says which.
+DECODE_ENGINE_STATUSES = (*STATUSES, "unavailable")
+DECODE_ENGINE_COLUMNS = ("chip", "engine", "shape", "cache_dtype", "batch", "tokens", "status", "error",
+                         "bytes_accessed", "peak_hbm_bytes", "argument_bytes", "output_bytes", "temp_bytes",
+                         "compile_s", "blocks", "label", "jax_version",
+                         "libtpu_version")
+# A quantized cache's scales, per tensor (JAX's kernel takes Python floats; the package float32 arrays).
+DECODE_SCALE = 0.5
+
+
+@contextlib.contextmanager
+def jax_kernels_see(chip_name: str):
+    """Let JAX's TPU kernels, lowered off a TPU, ask the *target* chip what they ask the local device.
+
+    JAX 0.10.2 lowers ``jnp.sign`` inside a Pallas TPU kernel by asking the local device for its TPU
+    generation (``jax/_src/pallas/mosaic/lowering.py``, ``_sign_lowering_rule`` ->
+    ``tpu_info.get_tpu_info()``), and ``ragged_paged_attention``'s tuned block sizes read
+    ``jax.devices()[0].device_kind`` (``tuned_block_sizes.get_tpu_version``, ``get_device_name``). On a CPU
+    machine both see a CPU. Inside this context they see ``chip_name``'s compile-only device (its
+    ``device_kind``; one TensorCore a device, as on v5e and v6e), so the kernel lowers and picks its
+    blocks as it would on that chip. Nothing else changes; JAX 0.7.2 (whose ``sign`` asks no device)
+    gets only the block-size half."""
+    import importlib
+
+    from tpuattn import chips
+
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+    except ImportError:  # JAX 0.7.2 has no tpu_info (and its sign lowering asks no device)
+        tpu_info = None
+
+    kind = topology_device(chips.get(chip_name)).device_kind  # "TPU v5 lite", "TPU v6 lite"
+    version = int(kind.split()[1].lstrip("v")) if kind.split()[1] != "7x" else 7
+    saved = []
+
+    def patch(module, name, value):
+        if hasattr(module, name):
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, value)
+
+    chip_version = getattr(tpu_info, "chip_version_from_device_kind", lambda kind: None)(kind)
+    if chip_version is not None and hasattr(tpu_info, "get_tpu_info_for_chip"):
+        patch(tpu_info, "get_tpu_info", lambda: tpu_info.get_tpu_info_for_chip(chip_version, 1))
+    tuned = importlib.import_module("jax.experimental.pallas.ops.tpu.ragged_paged_attention."
+                                    "tuned_block_sizes")
+    patch(tuned, "get_tpu_version", lambda: version)
+    patch(tuned, "get_device_name", lambda num_devices=None: " ".join(kind.split()[:2]))
+    try:
+        yield kind
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+def _decode_shape(shape: str) -> dict:
+    if shape not in DECODE_ENGINE_SHAPES:
+        raise ValueError(f"shape: expected one of {list(DECODE_ENGINE_SHAPES)}, got {shape!r}")
+    s = DECODE_ENGINE_SHAPES[shape]
+    batch = len(s["q_lens"])
+    return dict(s, batch=batch, tokens=sum(s["q_lens"]), pages=batch * s["pages_per_sequence"],
+                uniform=len(set(s["q_lens"])) == 1, **DECODE_ENGINE_HEADS)
+
+
+def _tpuattn_decode_step(shape: dict, cache_dtype: str):
+    """``(fn, args)`` of ``tpuattn.decode.attention(impl="pallas")`` at ``shape``, or a string: why the
+    contract has no such input (yet)."""
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+
+    from tpuattn import decode
+
+    taken = inspect.signature(decode.attention).parameters
+    quantized = cache_dtype != "bfloat16"
+    if quantized and "k_scale" not in taken:
+        return "tpuattn.decode.attention takes no quantized cache (k_scale, v_scale) in this version"
+    if not shape["uniform"] and "cu_q_lens" not in taken:
+        return "tpuattn.decode.attention takes no ragged batch (cu_q_lens) in this version"
+    h, hk, d, b = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["batch"]
+    cache = jax.ShapeDtypeStruct((shape["pages"], shape["page"], hk, d), jnp.dtype(cache_dtype))
+    lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+    table = jax.ShapeDtypeStruct((b, shape["pages_per_sequence"]), jnp.int32)
+    scale = jax.ShapeDtypeStruct((), jnp.float32)
+    if shape["uniform"]:
+        q = jax.ShapeDtypeStruct((b, shape["q_lens"][0], h, d), jnp.bfloat16)
+        args = [q, cache, cache, lengths, table]
+    else:
+        q = jax.ShapeDtypeStruct((shape["tokens"], h, d), jnp.bfloat16)
+        args = [q, cache, cache, lengths, table, jax.ShapeDtypeStruct((b + 1,), jnp.int32)]
+    args += [scale, scale] if quantized else []
+
+    def fn(q, k, v, lengths, table, *rest):
+        ragged = dict(cu_q_lens=rest[0]) if not shape["uniform"] else {}
+        scales = dict(k_scale=rest[-2], v_scale=rest[-1]) if quantized else {}
+        return decode.attention(q, k, v, lengths, page_table=table, impl="pallas", **ragged, **scales)
+
+    return fn, args
+
+
+def _jax_ragged_step(shape: dict, cache_dtype: str):
+    """``(fn, args)`` of JAX's ``ragged_paged_attention`` at ``shape``, its cache in its own layout."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    h, hk, d, b = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["batch"]
+    scales = {} if cache_dtype == "bfloat16" else dict(k_scale=DECODE_SCALE, v_scale=DECODE_SCALE)
+    fn = functools.partial(ragged_paged_attention, sm_scale=d ** -0.5, **scales)
+    args = [jax.ShapeDtypeStruct((shape["tokens"], h, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((shape["pages"], shape["page"], 2 * hk, d), jnp.dtype(cache_dtype)),
+            jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b, shape["pages_per_sequence"]), jnp.int32),
+            jax.ShapeDtypeStruct((b + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)]
+    return fn, args
+
+
+def _jax_ragged_blocks(shape: dict, cache_dtype: str) -> str:
+    """The (kv pages, queries) per block JAX's kernel picks for the target chip (inside
+    :func:`jax_kernels_see`)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel, tuned_block_sizes
+
+    h, hk, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    q_heads, kv_heads = kernel.get_min_heads_per_blk(h, 2 * hk, jnp.bfloat16, jnp.dtype(cache_dtype))
+    pages, queries = tuned_block_sizes.get_tuned_block_sizes(
+        jnp.bfloat16, jnp.dtype(cache_dtype), q_heads, kv_heads // 2, d, shape["page"], shape["tokens"],
+        shape["pages_per_sequence"])
+    return f"{pages} pages x {queries} queries"
+
+
+def decode_engine_row(chip_name: str, engine: str, shape: str, cache_dtype: str) -> dict:
+    """Compile one engine's serving step (``engine`` from :data:`DECODE_ENGINES`) at ``shape`` (a key of
+    :data:`DECODE_ENGINE_SHAPES`) over a ``cache_dtype`` cache for ``chip_name``: a row of
+    :data:`DECODE_ENGINE_COLUMNS`, **compiled (not run)**. ``bytes_accessed`` is XLA's cost analysis,
+    which for a Mosaic kernel is the kernel's own ``pl.CostEstimate`` plus the ops around it: JAX's ragged
+    kernel gives none, so XLA counts none of its traffic (a few KB of metadata); peak HBM (arguments,
+    output and temporaries: ``memory_analysis()``) is what compares the two engines."""
+    from tpuattn import chips
+    from tpuattn.errors import UnavailableImplementation, UnsupportedInput
+
+    if engine not in DECODE_ENGINES:
+        raise ValueError(f"engine: expected one of {list(DECODE_ENGINES)}, got {engine!r}")
+    if cache_dtype not in DECODE_CACHE_DTYPES:
+        raise ValueError(f"cache_dtype: expected one of {list(DECODE_CACHE_DTYPES)}, got {cache_dtype!r}")
+    s = _decode_shape(shape)
+    chip = chips.get(chip_name)
+    jax_version, libtpu_version = _versions()
+    row = {key: None for key in DECODE_ENGINE_COLUMNS}
+    row.update(chip=chip.name, engine=engine, shape=shape, cache_dtype=cache_dtype, batch=s["batch"],
+               tokens=s["tokens"], label=LABEL, jax_version=jax_version, libtpu_version=libtpu_version)
+    if not chip_known(chip.name):
+        return {**row, "status": "unsupported",
+                "error": f"chip: the installed TPU compiler ({versions_text()}) does not know {chip.name}"}
+    step = _tpuattn_decode_step(s, cache_dtype) if engine == "tpuattn" else _jax_ragged_step(s, cache_dtype)
+    if isinstance(step, str):
+        return {**row, "status": "unavailable", "error": step}
+    fn, args = step
+    start = time.perf_counter()
+    try:
+        with jax_kernels_see(chip.name):
+            if engine == "jax_ragged":
+                row["blocks"] = _jax_ragged_blocks(s, cache_dtype)
+            compiled = compile_for(chip.name, fn, args)
+    except (UnsupportedInput, UnavailableImplementation) as error:
+        return {**row, "status": "unsupported", "error": str(error)}
+    except Exception as error:  # noqa: BLE001 - the compiler's own errors have many types
+        return {**row, **compile_failure(error), "compile_s": time.perf_counter() - start}
+    row["compile_s"] = time.perf_counter() - start
+    facts = compiled_facts(compiled)
+    kept = ("bytes_accessed", "peak_hbm_bytes", "argument_bytes", "output_bytes", "temp_bytes")
+    row.update(status="ok", error=None, **{key: facts[key] for key in kept})
+    return row
+
+
+def decode_engine_rows(chip_names=("v5e", "v6e"), engines=DECODE_ENGINES, shapes=tuple(DECODE_ENGINE_SHAPES),
+                       cache_dtypes=DECODE_CACHE_DTYPES, *, progress: bool = False) -> list[dict]:
+    """Every (chip, shape, cache dtype, engine) row of :func:`decode_engine_row`."""
+    rows = []
+    for chip in chip_names:
+        for shape in shapes:
+            for cache_dtype in cache_dtypes:
+                for engine in engines:
+                    rows.append(decode_engine_row(chip, engine, shape, cache_dtype))
+                    if progress:
+                        r = rows[-1]
+                        print(f"{chip} {shape} {cache_dtype} {engine}: {r['status']}", flush=True)
+    return rows
+
+
+def decode_engine_table(rows, model_bytes=None) -> str:
+    """The side-by-side table (Markdown): per chip, shape and cache dtype, each engine's compiled bytes
+    accessed (XLA's cost analysis), peak HBM, and whether it compiled (its error if not).
+    ``model_bytes``: an optional ``{(chip, shape, cache_dtype): bytes}``
+    of :mod:`tpuattn.model.decode` (modelled) for a ratio column (the measuring layer does not import
+    the model)."""
+    mb = lambda value: "-" if value is None else f"{value / 1e6:.1f}"
+    head = ["chip", "shape", "cache", "engine", "status", "bytes accessed MB", "peak HBM MB"]
+    head += ["accessed / model"] if model_bytes else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r['error'] or '')[:160]}"
+        cells = [r["chip"], r["shape"], r["cache_dtype"], r["engine"], status, mb(r["bytes_accessed"]),
+                 mb(r["peak_hbm_bytes"])]
+        if model_bytes:
+            model = model_bytes.get((r["chip"], r["shape"], r["cache_dtype"]))
+            cells.append("-" if model is None or r["bytes_accessed"] is None
+                         else f"{r['bytes_accessed'] / model:.2f}x")
+        lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
