@@ -86,3 +86,38 @@ def oracle_partial(q_rows, k_rows, v_rows, allowed, scale):
     ``k_rows, v_rows [n, d]`` with ``allowed [r, n]`` (float64)."""
     w, lse = softmax_rows(scale * np.asarray(q_rows, np.float64) @ np.asarray(k_rows, np.float64).T, allowed)
     return w @ np.asarray(v_rows, np.float64), lse
+
+
+def dequantized(cache, scale=None):
+    """Float64 ``cache * scale`` with ``scale`` a scalar or one per kv head (axis -2); as is if None."""
+    cache = np.asarray(cache).astype(np.float64)
+    if scale is None:
+        return cache
+    scale = np.asarray(scale, np.float64).reshape(-1)
+    return cache * (scale[:, None] if scale.size > 1 else scale[0])
+
+
+def oracle_ragged_decode(q, k_cache, v_cache, lengths, cu_q_lens, *, num_seqs=None, page_table=None,
+                         k_scale=None, v_scale=None, scale=None, window=None, softcap=None, sinks=None):
+    """Float64 output ``[total_tokens, heads, d]`` of a ragged batch, sequence by sequence.
+
+    Sequence ``i < num_seqs`` (default: all) owns rows ``cu_q_lens[i] .. cu_q_lens[i + 1] - 1`` of ``q``:
+    its ``n`` new queries are the last ``n`` of its ``lengths[i]`` positions (the dense oracle above with
+    one sequence and ``q_len = n``). Every other row is zeros. The caches are dequantized first
+    (``entry * scale`` of the entry's kv head)."""
+    q = np.asarray(q, np.float64)
+    k, v = dequantized(k_cache, k_scale), dequantized(v_cache, v_scale)
+    cu = [int(x) for x in np.asarray(cu_q_lens)]
+    live = len(cu) - 1 if num_seqs is None else int(np.asarray(num_seqs).reshape(-1)[0])
+    out = np.zeros(q.shape)
+    for i in range(live):
+        start, stop = cu[i], cu[i + 1]
+        if stop == start:
+            continue
+        if page_table is None:
+            ki, vi, table = k[i:i + 1], v[i:i + 1], None
+        else:
+            ki, vi, table = k, v, np.asarray(page_table)[i:i + 1]
+        out[start:stop] = oracle_decode(q[None, start:stop], ki, vi, [int(lengths[i])], page_table=table,
+                                        scale=scale, window=window, softcap=softcap, sinks=sinks)[0]
+    return out

@@ -171,7 +171,8 @@ def _good():
 
 BAD = [
     ("q rank", dict(q=jnp.zeros((2, 4, 8))), ValueError,
-     "q: expected rank 4 [batch, q_len, heads, head_dim], got shape (2, 4, 8)"),
+     "q: expected rank 4 [batch, q_len, heads, head_dim] (a rank-3 ragged q needs cu_q_lens), got shape "
+     "(2, 4, 8)"),
     ("k rank", dict(k_cache=jnp.zeros((6, 4, 16))), ValueError,
      "k_cache: expected rank 4 [num_pages, page_size, kv_heads, head_dim], got shape (6, 4, 16)"),
     ("k/v shapes", dict(v_cache=jnp.zeros((5, 4, 2, 8))), ValueError,
@@ -181,7 +182,8 @@ BAD = [
     ("gqa", dict(q=jnp.zeros((2, 1, 3, 8))), ValueError,
      "q: expected a number of heads divisible by k_cache's 2 heads (GQA), got 3"),
     ("dtype mix", dict(q=jnp.zeros((2, 1, 4, 8), jnp.bfloat16)), TypeError,
-     "q, k_cache, v_cache: expected one dtype, got q bfloat16, k_cache float32, v_cache float32"),
+     "q, k_cache, v_cache: expected one dtype (or k_cache and v_cache both of a quantized dtype in "
+     "['int8', 'float8_e4m3fn']), got q bfloat16, k_cache float32, v_cache float32"),
     ("int dtype", dict(q=jnp.zeros((2, 1, 4, 8), jnp.int32), k_cache=jnp.zeros((6, 4, 2, 8), jnp.int32),
                        v_cache=jnp.zeros((6, 4, 2, 8), jnp.int32)), TypeError,
      "q, k_cache, v_cache: expected a dtype in ['float32', 'bfloat16', 'float16'], got int32"),

@@ -1,8 +1,11 @@
 """Decode over a KV cache: a few new queries per sequence against a contiguous or paged cache.
 
-``tpuattn.decode.attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, window=None,
-softcap=None, impl="auto")`` -- see :func:`tpuattn.decode.api.attention` for the contract and
-:mod:`tpuattn.decode.spec` for what is checked when. Implementations (declared in
+``tpuattn.decode.attention(q, k_cache, v_cache, lengths, *, page_table=None, cu_q_lens=None,
+num_seqs=None, k_scale=None, v_scale=None, scale=None, window=None, softcap=None, sinks=None,
+impl="auto")`` -- see :func:`tpuattn.decode.api.attention` for the contract (dense or ragged batches,
+full-width or quantized caches) and :mod:`tpuattn.decode.spec` for what is checked when.
+:func:`quantize` and :func:`write` (:mod:`tpuattn.decode.quant`) make int8 / fp8 entries with their
+scales and store new keys and values into pages. Implementations (declared in
 :data:`IMPLEMENTATION_MODULES` and imported on first use; their records live in
 :mod:`tpuattn.decode.registry`, the machinery of :class:`tpuattn.registry.Registry`):
 
@@ -27,8 +30,16 @@ from tpuattn.decode.api import (
     known_implementations,
     unavailable_implementations,
 )
+from tpuattn.decode.quant import quantize, write
 from tpuattn.decode.registry import REGISTRY as _REGISTRY
-from tpuattn.decode.spec import DecodeSpec, decode_spec_from_shapes, make_decode_spec
+from tpuattn.decode.spec import (
+    QUANTIZED_DTYPES,
+    DecodeInputs,
+    DecodeSpec,
+    decode_spec_from_shapes,
+    make_decode_spec,
+    validate,
+)
 
 # The built-in decode implementations: name -> (the module that registers it, its priority), imported
 # on first use; the priority breaks ``auto`` ties (lower wins), whatever order the modules load in.
@@ -51,6 +62,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'tpuattn.decode' has no attribute {name!r}")
 
 
-__all__ = ["DecodeSpec", "attention", "choose", "decode_spec_from_shapes", "get_implementation",
-           "implementations", "known_implementations", "make_decode_spec", "plain_decode",
-           "schedule", "unavailable_implementations"]
+__all__ = ["QUANTIZED_DTYPES", "DecodeInputs", "DecodeSpec", "attention", "choose", "decode_spec_from_shapes",
+           "get_implementation", "implementations", "known_implementations", "make_decode_spec",
+           "plain_decode", "quantize", "schedule", "unavailable_implementations", "validate", "write"]

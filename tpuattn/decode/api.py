@@ -7,7 +7,7 @@ The registry machinery is :class:`tpuattn.registry.Registry`, the attention cont
 from __future__ import annotations
 
 from tpuattn.decode.registry import REGISTRY, DecodeImplementation
-from tpuattn.decode.spec import DecodeSpec, make_decode_spec
+from tpuattn.decode.spec import DecodeSpec, validate
 from tpuattn.registry import Choice, Subset
 from tpuattn.spec import normalise_sinks
 
@@ -51,16 +51,19 @@ def resolve(impl: str, spec: DecodeSpec, backend: str | None = None, *, options=
     return REGISTRY.resolve(impl, spec, backend, options=options)
 
 
-def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, window=None, softcap=None,
-              sinks=None, impl="auto", **options):
+def attention(q, k_cache, v_cache, lengths, *, page_table=None, cu_q_lens=None, num_seqs=None,
+              k_scale=None, v_scale=None, scale=None, window=None, softcap=None, sinks=None, impl="auto",
+              **options):
     """Attention of a few new queries per sequence over a KV cache (one decode step), forward only.
 
     Args:
       q: ``[batch, q_len, heads, head_dim]``; ``q_len`` is small (1 for plain decode; more for
-        speculative decoding or chunked prefill).
+        speculative decoding or chunked prefill). With ``cu_q_lens`` (a ragged batch): ``[total_tokens,
+        heads, head_dim]``, each sequence's new tokens one after the other.
       k_cache, v_cache: contiguous ``[batch, max_len, kv_heads, head_dim]``, or with ``page_table``
         paged ``[num_pages, page_size, kv_heads, head_dim]``. ``heads`` must be a multiple of
-        ``kv_heads`` (GQA): query head ``h`` reads kv head ``h // (heads // kv_heads)``.
+        ``kv_heads`` (GQA): query head ``h`` reads kv head ``h // (heads // kv_heads)``. Of q's dtype,
+        or quantized: ``int8`` or ``float8_e4m3fn`` with ``k_scale`` and ``v_scale``.
       lengths: int ``[batch]``: valid positions per sequence, in ``[0, capacity]``. The queries are the
         last ``q_len`` of them: query ``t`` sits at position ``lengths[b] - q_len + t`` and sees keys
         ``j <= `` its position (bottom-right causal); positions ``>= lengths[b]`` never contribute. A
@@ -69,6 +72,18 @@ def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, wind
       page_table: int32 ``[batch, pages_per_sequence]``: sequence ``b``'s position ``j`` is row
         ``j % page_size`` of page ``page_table[b, j // page_size]``. Entries past a sequence's last used
         page are never read.
+      cu_q_lens: int32 ``[batch + 1]`` (a ragged batch, as JAX's ``ragged_paged_attention`` and TPU
+        engines take it): sequence ``i``'s new tokens are rows ``cu_q_lens[i] .. cu_q_lens[i + 1] - 1``
+        of ``q``; ``cu_q_lens[0] == 0``, non-decreasing, at most ``total_tokens``; a sequence may have
+        no new token (prefill chunks of any length beside single-token decodes). They are the last
+        ``cu_q_lens[i + 1] - cu_q_lens[i]`` of its ``lengths[i]`` positions, with the causal rule
+        above; rows of ``q`` past ``cu_q_lens[num_seqs]`` are padding and return zeros.
+      num_seqs: with ``cu_q_lens``: how many sequences are live (an int or int32 ``[1]``, default
+        ``batch``); the others have no queries and their entries are not read.
+      k_scale, v_scale: float32 ``[]`` (per tensor) or ``[kv_heads]`` (per kv head), both or neither;
+        required for a quantized cache: the key (value) at a cache entry is ``entry * k_scale[kv head]``
+        (``v_scale``), in float32. :func:`tpuattn.decode.quantize` makes entries and scales and
+        :func:`tpuattn.decode.write` stores new keys or values into pages, quantizing them.
       scale: logits are ``scale * q.k``; default ``1 / sqrt(head_dim)``.
       window: an int ``w`` or ``(left, right)`` as in :func:`tpuattn.attention`, relative to each
         query's position (with the causal mask only ``left`` narrows anything).
@@ -79,7 +94,12 @@ def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, wind
       impl: ``"auto"`` (see :func:`choose`) or a name from :func:`implementations` (the list is in
         :mod:`tpuattn.decode`'s docstring).
       **options: for the implementation (the split-K kernel's: ``block_size``, ``chunk_blocks``,
-        ``interpret``).
+        ``pages_per_step``, ``q_block``, ``interpret``).
+
+    Who takes what: ``reference`` and ``pallas`` take every form (ragged, quantized, sinks);
+    ``jax_ragged`` takes the ragged form natively (it is that kernel) and refuses quantized caches;
+    ``jax_paged`` refuses both. A refusal names the argument (an
+    :class:`~tpuattn.errors.UnsupportedInput`).
 
     Non-finite values in the cache (the rule of every decode implementation): a NaN or Inf reaches
     exactly the output rows that see its position. One at a position a row does not see (past the
@@ -106,11 +126,29 @@ def attention(q, k_cache, v_cache, lengths, *, page_table=None, scale=None, wind
     Returns:
       An array of q's shape and dtype.
     """
-    q, k_cache, v_cache, lengths, page_table, spec = make_decode_spec(
-        q, k_cache, v_cache, lengths, page_table, scale=scale, window=window, softcap=softcap)
-    if sinks is None:
-        return resolve(impl, spec, options=options).fn(q, k_cache, v_cache, lengths, page_table, spec,
-                                                       **options)
-    sinks = normalise_sinks(sinks, spec.num_q_heads)
-    record = REGISTRY.resolve(impl, spec, subset=TAKES_SINKS, options=options)
-    return record.fn(q, k_cache, v_cache, lengths, page_table, spec, sinks=sinks, **options)
+    x = validate(q, k_cache, v_cache, lengths, page_table, cu_q_lens=cu_q_lens, num_seqs=num_seqs,
+                 k_scale=k_scale, v_scale=v_scale, scale=scale, window=window, softcap=softcap)
+    spec, extra = x.spec, {}
+    if sinks is not None:
+        extra["sinks"] = normalise_sinks(sinks, spec.num_q_heads)
+    if spec.ragged:
+        extra.update(cu_q_lens=x.cu_q_lens, num_seqs=x.num_seqs)
+    if spec.scales is not None:
+        extra.update(k_scale=x.k_scale, v_scale=x.v_scale)
+    if not extra:
+        record = resolve(impl, spec, options=options)
+    else:
+        subset = _takes(sinks is not None, spec.ragged, spec.scales is not None)
+        record = REGISTRY.resolve(impl, spec, subset=subset, options=options)
+    return record.fn(x.q, x.k_cache, x.v_cache, x.lengths, x.page_table, spec, **extra, **options)
+
+
+def _takes(sinks: bool, ragged: bool, scales: bool) -> Subset:
+    """The implementations whose record takes the extra arguments of this call."""
+    if sinks and not (ragged or scales):
+        return TAKES_SINKS
+    what = [w for w, on in (("sinks", sinks), ("a ragged batch (cu_q_lens)", ragged),
+                            ("scales (k_scale, v_scale)", scales)) if on]
+    return Subset("takes " + " and ".join(what),
+                  lambda r: (not sinks or r.takes_sinks) and (not ragged or r.takes_ragged)
+                  and (not scales or r.takes_scales))

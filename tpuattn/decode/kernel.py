@@ -453,6 +453,10 @@ def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *,
 
 
 def pallas_supports(spec: DecodeSpec, backend: str | None = None) -> str | None:
+    if spec.ragged:
+        return "cu_q_lens: the split-K kernel does not take a ragged batch yet; use impl='reference'"
+    if spec.scales is not None:
+        return "k_scale, v_scale: the split-K kernel does not take scaled caches yet; use impl='reference'"
     return low_precision_matmul_refused(spec.attention, backend, "pallas")
 
 

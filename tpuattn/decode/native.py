@@ -13,7 +13,10 @@
   cache with K and V interleaved in one array ``[num_pages, page_size, 2 * kv_heads, d]`` (built by
   the adapter: a copy), any ``q_len``, ``sm_scale``, ``soft_cap`` and a left ``sliding_window``
   (``window=left`` is its ``sliding_window=left + 1``). It requires ``q_len <= length`` per sequence;
-  rows before the first position (``lengths[b] < q_len``) get zeros from the adapter.
+  rows before the first position (``lengths[b] < q_len``) get zeros from the adapter. A ragged batch
+  (``cu_q_lens``, ``num_seqs``) is its own form and goes to it unchanged.
+
+Neither takes per-call ``k_scale``/``v_scale`` (quantized caches): both refuse them by name.
 
 Both read every position of the blocks they load and mask by a large negative logit, then multiply
 the masked probabilities by V: a NaN or Inf stored where no query looks (past a sequence's length, in
@@ -90,7 +93,20 @@ def _compute_block(pages_per_sequence: int, page_size: int) -> int:
 
 
 # ---------------------------------------------------------------------------- paged_attention
+def _scales_refused(spec: DecodeSpec, impl: str) -> str | None:
+    if spec.scales is None:
+        return None
+    what = f"a {spec.cache_dtype} cache" if spec.quantized else "scaled caches"
+    return (f"k_scale, v_scale: impl='{impl}' is JAX's kernel wrapped unchanged and takes no per-call "
+            f"scales ({what}); use impl='pallas' or 'reference'")
+
+
 def jax_paged_supports(spec: DecodeSpec, backend: str | None = None) -> str | None:
+    if spec.ragged:
+        return ("cu_q_lens: JAX's paged_attention takes one query per sequence, not a ragged batch; use "
+                "impl='jax_ragged', 'pallas' or 'reference'")
+    if spec.scales is not None:
+        return _scales_refused(spec, "jax_paged")
     if spec.q_len != 1:
         return (f"JAX's paged_attention takes one query per sequence (q_len 1), got q_len {spec.q_len}; "
                 "use impl='jax_ragged', 'pallas' or 'reference'")
@@ -118,6 +134,8 @@ def jax_paged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec,
 
 # ---------------------------------------------------------------------------- ragged_paged_attention
 def jax_ragged_supports(spec: DecodeSpec, backend: str | None = None) -> str | None:
+    if spec.scales is not None:
+        return _scales_refused(spec, "jax_ragged")
     if not spec.paged:
         return ("JAX's ragged_paged_attention reads a paged cache only (K and V interleaved per page), got a "
                 "contiguous cache; pass a page_table, or use impl='pallas' or 'reference'")
@@ -141,7 +159,8 @@ def jax_ragged_supports(spec: DecodeSpec, backend: str | None = None) -> str | N
     return low_precision_matmul_refused(spec.attention, backend, "jax_ragged")
 
 
-def jax_ragged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, **options):
+def jax_ragged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *, cu_q_lens=None,
+                      num_seqs=None, **options):
     known_options("jax_ragged", options, OPTIONS)
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
@@ -149,23 +168,45 @@ def jax_ragged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec
                   num_queries_per_block=8)
     with _interpreting(options.get("interpret"), "jax_ragged"):
         return ragged_translation(functools.partial(ragged_paged_attention, **blocks), q, k_cache, v_cache,
-                                  lengths, page_table, spec)
+                                  lengths, page_table, spec, cu_q_lens=cu_q_lens, num_seqs=num_seqs)
 
 
-def ragged_translation(kernel, q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec):
+def ragged_translation(kernel, q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *, cu_q_lens=None,
+                       num_seqs=None):
     """The contract's arguments -> ``kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
     sm_scale=, sliding_window=, soft_cap=)`` (JAX's kernel, or its reference ``ref_ragged_paged_attention``,
-    which takes the same arguments: the tests check this translation through it) -> the contract's output."""
-    b, tq, h, d = q.shape
-    p, size, hk, _ = k_cache.shape
+    which takes the same arguments: the tests check this translation through it) -> the contract's output.
+
+    A ragged batch (``cu_q_lens``) goes to the kernel as it is (the kernel's own form); a dense one as
+    ``batch`` sequences of ``q_len`` tokens. Rows at a negative position (a query length above the
+    sequence's length, which JAX's kernel does not allow) and padding rows are made zeros."""
+    p, size, hk, d = k_cache.shape
     kv = jnp.stack([k_cache, v_cache], axis=3).reshape(p, size, 2 * hk, d)  # K at even heads, V at odd
-    cu_q_lens = np.arange(b + 1, dtype=np.int32) * tq  # static (NumPy): the reference loops over them
     window = None if not spec.windowed else spec.left + 1
-    out = kernel(q.reshape(b * tq, h, d), kv, lengths, page_table, cu_q_lens, np.array([b], np.int32),
-                 sm_scale=spec.scale, sliding_window=window, soft_cap=spec.softcap)
-    out = out.reshape(b, tq, h, d)
-    sees = jnp.arange(tq)[None, :] >= tq - lengths[:, None]  # rows at a position >= 0
-    return jnp.where(sees[:, :, None, None], out, 0).astype(q.dtype)
+    if cu_q_lens is None:
+        b, tq, h, _ = q.shape
+        cu_q_lens = np.arange(b + 1, dtype=np.int32) * tq  # static (NumPy): the reference loops over them
+        out = kernel(q.reshape(b * tq, h, d), kv, lengths, page_table, cu_q_lens, np.array([b], np.int32),
+                     sm_scale=spec.scale, sliding_window=window, soft_cap=spec.softcap)
+        out = out.reshape(b, tq, h, d)
+        sees = jnp.arange(tq)[None, :] >= tq - lengths[:, None]  # rows at a position >= 0
+        return jnp.where(sees[:, :, None, None], out, 0).astype(q.dtype)
+    from tpuattn.decode.reference import token_positions
+
+    if not _is_tracer(cu_q_lens):  # JAX's reference loops over concrete values
+        cu_q_lens, num_seqs = np.asarray(cu_q_lens, np.int32), np.asarray(num_seqs, np.int32)
+    out = kernel(q, kv, lengths, page_table, cu_q_lens, num_seqs, sm_scale=spec.scale,
+                 sliding_window=window, soft_cap=spec.softcap)
+    if out.shape[0] < q.shape[0]:  # JAX's reference returns the live tokens only
+        out = jnp.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0)))
+    _, position, live = token_positions(jnp.asarray(cu_q_lens), lengths, q.shape[0])
+    return jnp.where((live & (position >= 0))[:, None, None], out, 0).astype(q.dtype)
+
+
+def _is_tracer(x) -> bool:
+    import jax
+
+    return isinstance(x, jax.core.Tracer)
 
 
 register("jax_paged", jax_paged_decode,
@@ -177,4 +218,4 @@ register("jax_ragged", jax_ragged_decode,
          description="JAX's ragged_paged_attention TPU kernel (paged cache only), translated",
          available=lambda: compat.has_module("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
          and compat.has_interpret_mode(),
-         supports=jax_ragged_supports, interpreted_off_tpu=True, options=OPTIONS)
+         supports=jax_ragged_supports, interpreted_off_tpu=True, options=OPTIONS, takes_ragged=True)

@@ -1,4 +1,5 @@
-"""``impl="reference"``: gather the pages into a contiguous cache, mask, materialised softmax in float32."""
+"""``impl="reference"``: dequantize, gather the pages into a contiguous cache, mask, materialised softmax
+in float32."""
 
 from __future__ import annotations
 
@@ -26,14 +27,51 @@ def visible(lengths, q_len: int, capacity: int, left: int | None):
     return keep
 
 
-def reference_decode(q, k_cache, v_cache, lengths, page_table, spec, *, sinks=None, **options):
+def reference_decode(q, k_cache, v_cache, lengths, page_table, spec, *, sinks=None, cu_q_lens=None,
+                     num_seqs=None, k_scale=None, v_scale=None, **options):
+    """Dequantize (``entry * scale`` in float32) and gather first, then one materialised softmax.
+
+    A ragged batch is served as a dense one of ``total_tokens`` sequences of one query each: token
+    ``t`` of sequence ``i``, at position ``p``, is a query of length ``p + 1`` over sequence ``i``'s
+    cache (its own copy: memory ``total_tokens x capacity``, a reference's price for simplicity)."""
     known_options("reference", options, ())
+    if k_scale is not None:
+        k_cache, v_cache = dequantize(k_cache, k_scale), dequantize(v_cache, v_scale)
     if spec.paged:
         k_cache, v_cache = gather_cache(k_cache, page_table), gather_cache(v_cache, page_table)
+    if not spec.ragged:
+        return _dense(q, k_cache, v_cache, lengths, spec, sinks)
+    seq, position, live = token_positions(cu_q_lens, lengths, q.shape[0])
+    token_lengths = jnp.where(live, jnp.maximum(position + 1, 0), 0)
+    out = _dense(q[:, None], k_cache[seq], v_cache[seq], token_lengths, spec, sinks)
+    return out[:, 0]
+
+
+def dequantize(cache, scale):
+    """``cache [..., kv_heads, d]`` as float32 ``entry * scale[kv head]`` (``scale``: float32
+    ``[kv_heads]``)."""
+    return cache.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
+
+
+def token_positions(cu_q_lens, lengths, total_tokens: int):
+    """Per row of a ragged ``q``: its sequence, its position in that sequence (``lengths[i] - q_len[i]
+    + t`` for its ``t``-th token; negative before position 0) and whether it is live (not padding)."""
+    cu_q_lens, lengths = jnp.asarray(cu_q_lens), jnp.asarray(lengths)
+    rows = jnp.arange(total_tokens)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, lengths.shape[0] - 1)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    position = lengths[seq] - q_lens[seq] + rows - cu_q_lens[seq]
+    return seq, position, rows < cu_q_lens[-1]
+
+
+def _dense(q, k_cache, v_cache, lengths, spec, sinks):
+    """The dense form over contiguous caches ``[b, capacity, kv_heads, d]``."""
     b, tq, h, d = q.shape
     hk, g = spec.num_kv_heads, spec.group_size
-    keep = visible(lengths, tq, spec.capacity, spec.left)  # [b, tq, S]
+    keep = visible(lengths, tq, k_cache.shape[1], spec.left)  # [b, tq, S]
     qg = q.reshape(b, tq, hk, g, d)
+    if k_cache.dtype != q.dtype:  # dequantized: float32
+        qg = qg.astype(jnp.float32)
     # Non-finite values reach exactly the rows that see them (the decode contract's rule): a logit
     # that is not finite (a NaN or Inf in k or q) becomes NaN before the mask and the soft-cap (which
     # would turn an Inf into a finite logit), so a row that sees it is NaN and a row that does not
@@ -73,6 +111,7 @@ def poison_values(out, keep, v):
 
 register("reference", reference_decode,
          description="gather pages, mask, materialised float32 softmax (jax.numpy, XLA)", takes_sinks=True,
+         takes_ragged=True, takes_scales=True,
          auto_rank=lambda spec, backend: 0.0 if backend != "tpu" else 10.0)
 
 

@@ -2,7 +2,8 @@
 :class:`tpuattn.registry.Registry` (the same ``register``, ``choose`` with refusals, ``resolve`` and
 errors as :func:`tpuattn.attention`'s).
 
-The contract: ``fn(q, k_cache, v_cache, lengths, page_table, spec, **options)``.
+The contract: ``fn(q, k_cache, v_cache, lengths, page_table, spec, **options)``, with ``sinks=``,
+``cu_q_lens=``/``num_seqs=`` and ``k_scale=``/``v_scale=`` passed only to the records that take them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class DecodeImplementation:
       options: the option names ``fn`` accepts.
       takes_sinks: ``fn`` accepts ``sinks=`` (float32 ``[heads]``, :mod:`tpuattn.sinks`): one logit per
         query head in each row's softmax denominator, with no value.
+      takes_ragged: ``fn`` accepts ``cu_q_lens=`` and ``num_seqs=`` (a ragged batch: ``q [total_tokens,
+        heads, d]``, see :mod:`tpuattn.decode.spec`; ``cu_q_lens`` already normalised, so ``num_seqs``
+        may be ignored).
+      takes_scales: ``fn`` accepts ``k_scale=`` and ``v_scale=`` (float32 ``[kv_heads]``: a quantized
+        or scaled cache, entries times their kv head's scale).
       priority: breaks ``auto`` ties (lower wins); a built-in takes its declared one.
     """
 
@@ -44,6 +50,8 @@ class DecodeImplementation:
     interpreted_off_tpu: bool = False
     options: tuple[str, ...] = ()
     takes_sinks: bool = False
+    takes_ragged: bool = False
+    takes_scales: bool = False
     priority: int = DEFAULT_PRIORITY
 
 

@@ -19,21 +19,46 @@ Two cache layouts:
   sequence's last used page (``ceil(lengths[b] / page_size)``) are never read and may hold anything
   (``-1`` for example).
 
-Checks on values (``lengths`` in ``[0, capacity]``, used page ids in ``[0, num_pages)``) run when the
-arrays are concrete. Under ``jax.jit`` they are tracers and cannot be checked: a length past the capacity
-is clamped to it, and an out-of-range page id is clamped into ``[0, num_pages)`` (so no read leaves the
-cache, but the result is then meaningless).
+Two forms of the queries:
+
+* dense: ``q [batch, q_len, heads, head_dim]``, every sequence ``q_len`` new queries;
+* ragged (``cu_q_lens`` given, the form of JAX's ``ragged_paged_attention`` and of engines' mixed
+  batches): ``q [total_tokens, heads, head_dim]``, the new tokens of every sequence one after the other;
+  sequence ``i``'s are rows ``cu_q_lens[i] .. cu_q_lens[i + 1] - 1`` (``cu_q_lens`` int ``[batch + 1]``,
+  starting at 0, non-decreasing, at most ``total_tokens``; a query length of 0 is allowed). They are the
+  last ``q_len[i] = cu_q_lens[i + 1] - cu_q_lens[i]`` positions of its ``lengths[i]``, bottom-right
+  causal as in the dense form. ``num_seqs`` (an int or an int array of one element, default ``batch``)
+  says how many sequences are live: the others have no queries (their ``cu_q_lens`` entries are not
+  read). Rows of ``q`` past ``cu_q_lens[num_seqs]`` are padding: they return zeros.
+
+Caches of ``float32``, ``bfloat16``, ``float16`` (q's dtype), or quantized (:data:`QUANTIZED_DTYPES`:
+``int8``, ``float8_e4m3fn``) with ``k_scale`` and ``v_scale`` (float ``[]`` per tensor or
+``[kv_heads]`` per kv head): the key or value a cache entry stands for is ``entry * scale`` of its kv
+head (:mod:`tpuattn.decode.quant` writes them). Scales may also be given with a float cache (then they
+multiply it the same way).
+
+Checks on values (``lengths`` in ``[0, capacity]``, used page ids in ``[0, num_pages)``, ``cu_q_lens``
+starting at 0, non-decreasing and at most ``total_tokens``, ``num_seqs`` in ``[0, batch]``, scales
+finite and ``>= 0``) run when the arrays are concrete. Under ``jax.jit`` they are tracers and cannot be
+checked: a length past the capacity is clamped to it, and an out-of-range page id is clamped into
+``[0, num_pages)`` (so no read leaves the cache, but the result is then meaningless); ``cu_q_lens`` is
+clipped into ``[0, total_tokens]`` and made non-decreasing, ``num_seqs`` clipped into ``[0, batch]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from tpuattn._checks import round_up
+from tpuattn.errors import TpuattnError
 from tpuattn.spec import SUPPORTED_DTYPES, AttentionSpec, fits_int32, spec_from_shapes
+
+# Quantized cache dtypes: K and V entries stand for ``entry * scale`` of their kv head.
+QUANTIZED_DTYPES = ("int8", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +74,30 @@ class DecodeSpec:
     page_size: int | None = None
     num_pages: int | None = None
     pages_per_sequence: int | None = None
+    ragged: bool = False  # q is [total_tokens, heads, d] with cu_q_lens (attention.q_len = total_tokens)
+    cache_dtype: str | None = None  # K/V's dtype when it differs from q's (int8, float8_e4m3fn)
+    scales: str | None = None  # None, "tensor" or "head": how k_scale and v_scale are given
 
     @property
     def paged(self) -> bool:
         return self.page_size is not None
+
+    @property
+    def quantized(self) -> bool:
+        """K and V are int8 or float8_e4m3fn entries, ``entry * scale`` (:data:`QUANTIZED_DTYPES`)."""
+        return self.cache_dtype in QUANTIZED_DTYPES
+
+    @property
+    def kv_dtype(self):
+        """The dtype K and V are stored in (q's dtype unless quantized)."""
+        import jax.numpy as jnp
+
+        return jnp.dtype(self.cache_dtype or self.attention.dtype)
+
+    @property
+    def num_tokens(self) -> int:
+        """Query rows of the call: ``batch * q_len`` (dense) or ``total_tokens`` (ragged)."""
+        return self.q_len if self.ragged else self.batch * self.q_len
 
     @property
     def batch(self) -> int:
@@ -110,14 +155,36 @@ class DecodeSpec:
 def decode_spec_from_shapes(*, batch: int, q_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                             capacity: int | None = None, page_size: int | None = None,
                             num_pages: int | None = None, pages_per_sequence: int | None = None,
-                            dtype="bfloat16", scale=None, window=None, softcap=None) -> DecodeSpec:
-    """A :class:`DecodeSpec` from sizes alone (for the roofline and schedules); paged when ``page_size``."""
+                            dtype="bfloat16", scale=None, window=None, softcap=None, ragged: bool = False,
+                            cache_dtype=None, scales: str | None = None) -> DecodeSpec:
+    """A :class:`DecodeSpec` from sizes alone (for the roofline and schedules); paged when ``page_size``.
+
+    ``ragged``: ``q_len`` is the total number of new tokens of the ``batch`` sequences; ``cache_dtype``:
+    K and V's dtype when it differs from ``dtype`` (a :data:`QUANTIZED_DTYPES` one needs ``scales``,
+    ``"tensor"`` or ``"head"``)."""
     if page_size is not None:
         capacity = page_size * pages_per_sequence
     attn = spec_from_shapes(q_len, capacity, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, dtype=dtype, causal=True, window=window, softcap=softcap,
                             scale=scale)
-    return DecodeSpec(attn, page_size, num_pages, pages_per_sequence)
+    cache_dtype = _cache_dtype(cache_dtype, attn.dtype, "cache_dtype")
+    if scales not in (None, "tensor", "head"):
+        raise TpuattnError(f"scales: expected None, 'tensor' or 'head', got {scales!r}")
+    if cache_dtype in QUANTIZED_DTYPES and scales is None:
+        raise TpuattnError(f"scales: expected 'tensor' or 'head' for a {cache_dtype} cache, got None")
+    return DecodeSpec(attn, page_size, num_pages, pages_per_sequence, bool(ragged), cache_dtype, scales)
+
+
+def _cache_dtype(cache_dtype, dtype, name: str) -> str | None:
+    """``cache_dtype`` normalised: None when it is ``dtype``, else a name in :data:`QUANTIZED_DTYPES`."""
+    import jax.numpy as jnp
+
+    if cache_dtype is None or jnp.dtype(cache_dtype) == jnp.dtype(dtype):
+        return None
+    if jnp.dtype(cache_dtype).name not in QUANTIZED_DTYPES:
+        raise TypeError(f"{name}: expected q's dtype ({jnp.dtype(dtype)}) or a quantized dtype in "
+                        f"{list(QUANTIZED_DTYPES)}, got {jnp.dtype(cache_dtype)}")
+    return jnp.dtype(cache_dtype).name
 
 
 def _shape_of(name: str, x) -> tuple[int, ...]:
@@ -148,21 +215,58 @@ def _clip_int32(x, high: int):
     return jnp.clip(x, 0, high).astype(jnp.int32)
 
 
-def make_decode_spec(q, k_cache, v_cache, lengths, page_table=None, *, scale=None, window=None,
-                     softcap=None):
-    """Validate a decode call's inputs; return ``(q, k_cache, v_cache, lengths, page_table, spec)``.
+class DecodeInputs(NamedTuple):
+    """A validated decode call (:func:`validate`): the arrays as the implementations take them.
 
-    ``lengths`` and ``page_table`` come back as int32 arrays (``page_table`` None for a contiguous
-    cache). Raises ``ValueError`` / ``TypeError`` naming the argument, what was expected and what was
-    given.
+    ``lengths`` and ``page_table`` are int32 (``page_table`` None for a contiguous cache);
+    ``cu_q_lens`` int32 ``[batch + 1]`` (ragged only, else None): non-decreasing from 0, with the
+    sequences at or past ``num_seqs`` given no queries, so an implementation may ignore ``num_seqs``
+    (int32 ``[1]``, ragged only); ``k_scale``, ``v_scale``: float32 ``[kv_heads]`` or None.
+    """
+
+    q: Any
+    k_cache: Any
+    v_cache: Any
+    lengths: Any
+    page_table: Any
+    cu_q_lens: Any
+    num_seqs: Any
+    k_scale: Any
+    v_scale: Any
+    spec: DecodeSpec
+
+
+def make_decode_spec(q, k_cache, v_cache, lengths, page_table=None, *, cu_q_lens=None, num_seqs=None,
+                     k_scale=None, v_scale=None, scale=None, window=None, softcap=None):
+    """Validate a decode call's inputs; return ``(q, k_cache, v_cache, lengths, page_table, spec)``
+    (:func:`validate` returns the ragged and quantized arguments too)."""
+    inputs = validate(q, k_cache, v_cache, lengths, page_table, cu_q_lens=cu_q_lens, num_seqs=num_seqs,
+                      k_scale=k_scale, v_scale=v_scale, scale=scale, window=window, softcap=softcap)
+    return inputs.q, inputs.k_cache, inputs.v_cache, inputs.lengths, inputs.page_table, inputs.spec
+
+
+def validate(q, k_cache, v_cache, lengths, page_table=None, *, cu_q_lens=None, num_seqs=None,
+             k_scale=None, v_scale=None, scale=None, window=None, softcap=None) -> DecodeInputs:
+    """Validate a decode call's inputs (the module docstring's rules) into :class:`DecodeInputs`.
+
+    Raises ``ValueError`` (:class:`~tpuattn.errors.TpuattnError` for the ragged and quantized
+    arguments) / ``TypeError`` naming the argument, what was expected and what was given.
     """
     import jax.numpy as jnp
 
+    ragged = cu_q_lens is not None
     q_shape = _shape_of("q", q)
     k_shape, v_shape = _shape_of("k_cache", k_cache), _shape_of("v_cache", v_cache)
     l_shape = _shape_of("lengths", lengths)
-    if len(q_shape) != 4:
-        raise ValueError(f"q: expected rank 4 [batch, q_len, heads, head_dim], got shape {q_shape}")
+    if ragged and len(q_shape) != 3:
+        raise ValueError(f"q: expected rank 3 [total_tokens, heads, head_dim] with cu_q_lens (ragged), "
+                         f"got shape {q_shape}")
+    if not ragged and len(q_shape) != 4:
+        extra = " (a rank-3 ragged q needs cu_q_lens)" if len(q_shape) == 3 else ""
+        raise ValueError(f"q: expected rank 4 [batch, q_len, heads, head_dim]{extra}, got shape {q_shape}")
+    if not ragged and num_seqs is not None:
+        raise TpuattnError(f"num_seqs: counts the live sequences of a ragged batch; expected None without "
+                           f"cu_q_lens, got {num_seqs!r}")
     paged = page_table is not None
     layout = "[num_pages, page_size, kv_heads, head_dim]" if paged else "[batch, max_len, kv_heads, head_dim]"
     for name, shape in (("k_cache", k_shape), ("v_cache", v_shape)):
@@ -171,7 +275,15 @@ def make_decode_spec(q, k_cache, v_cache, lengths, page_table=None, *, scale=Non
     if k_shape != v_shape:
         raise ValueError(f"k_cache and v_cache: expected the same shape, got k_cache {k_shape} and "
                          f"v_cache {v_shape}")
-    batch, q_len, num_q_heads, head_dim = q_shape
+    if ragged:
+        q_len, num_q_heads, head_dim = q_shape  # q_len: the total number of new tokens
+        if len(l_shape) != 1:
+            raise ValueError(f"lengths: expected shape (batch,) (one per sequence), got {l_shape}")
+        batch = l_shape[0]
+        if batch < 1:
+            raise ValueError(f"lengths: expected at least one sequence, got shape {l_shape}")
+    else:
+        batch, q_len, num_q_heads, head_dim = q_shape
     lead, rows, num_kv_heads, kd = k_shape
     if min(q_shape) < 1:
         raise ValueError(f"q: expected non-empty dimensions, got shape {q_shape}")
@@ -182,13 +294,22 @@ def make_decode_spec(q, k_cache, v_cache, lengths, page_table=None, *, scale=Non
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q: expected a number of heads divisible by k_cache's {num_kv_heads} heads (GQA), "
                          f"got {num_q_heads}")
-    dtypes = {jnp.dtype(x.dtype) for x in (q, k_cache, v_cache)}
-    if len(dtypes) != 1:
-        raise TypeError(f"q, k_cache, v_cache: expected one dtype, got q {q.dtype}, k_cache {k_cache.dtype}, "
-                        f"v_cache {v_cache.dtype}")
-    dtype = dtypes.pop()
-    if dtype.name not in SUPPORTED_DTYPES:
-        raise TypeError(f"q, k_cache, v_cache: expected a dtype in {list(SUPPORTED_DTYPES)}, got {dtype}")
+    kv_dtypes = {jnp.dtype(x.dtype) for x in (k_cache, v_cache)}
+    if len(kv_dtypes) == 1 and next(iter(kv_dtypes)).name in QUANTIZED_DTYPES:  # a quantized cache
+        dtype = jnp.dtype(q.dtype)
+        if dtype.name not in SUPPORTED_DTYPES:
+            raise TypeError(f"q: expected a dtype in {list(SUPPORTED_DTYPES)} over a {k_cache.dtype} cache, "
+                            f"got {dtype}")
+    else:
+        dtypes = kv_dtypes | {jnp.dtype(q.dtype)}
+        if len(dtypes) != 1:
+            raise TypeError(f"q, k_cache, v_cache: expected one dtype (or k_cache and v_cache both of a "
+                            f"quantized dtype in {list(QUANTIZED_DTYPES)}), got q {q.dtype}, k_cache "
+                            f"{k_cache.dtype}, v_cache {v_cache.dtype}")
+        dtype = dtypes.pop()
+        if dtype.name not in SUPPORTED_DTYPES:
+            raise TypeError(f"q, k_cache, v_cache: expected a dtype in {list(SUPPORTED_DTYPES)}, got {dtype}")
+    cache_dtype = _cache_dtype(k_cache.dtype, dtype, "k_cache")
 
     if paged:
         t_shape = _shape_of("page_table", page_table)
@@ -201,7 +322,8 @@ def make_decode_spec(q, k_cache, v_cache, lengths, page_table=None, *, scale=Non
         capacity = page_size * pages_per_sequence
     else:
         if lead != batch:
-            raise ValueError(f"k_cache: expected batch {batch} (q's batch), got {lead}")
+            what = "lengths' batch" if ragged else "q's batch"
+            raise ValueError(f"k_cache: expected batch {batch} ({what}), got {lead}")
         num_pages = page_size = pages_per_sequence = None
         capacity = rows
     if l_shape != (batch,):
@@ -229,12 +351,94 @@ def make_decode_spec(q, k_cache, v_cache, lengths, page_table=None, *, scale=Non
                                  f"got {int(table[b, i])} at [{b}, {i}]")
         page_table = _clip_int32(page_table, num_pages - 1)
     lengths = _clip_int32(lengths, capacity)
+    if ragged:
+        cu_q_lens, num_seqs = _ragged(cu_q_lens, num_seqs, batch, q_len)
+    k_scale, v_scale, scales = _scales(k_scale, v_scale, num_kv_heads, cache_dtype)
 
     attn = spec_from_shapes(q_len, capacity, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, dtype=dtype, causal=True, window=window, softcap=softcap,
                             scale=scale)
-    spec = DecodeSpec(attn, page_size, num_pages, pages_per_sequence)
-    return jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), lengths, page_table, spec
+    spec = DecodeSpec(attn, page_size, num_pages, pages_per_sequence, ragged, cache_dtype, scales)
+    return DecodeInputs(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), lengths, page_table,
+                        cu_q_lens, num_seqs, k_scale, v_scale, spec)
+
+
+def _ragged(cu_q_lens, num_seqs, batch: int, total: int):
+    """``(cu_q_lens int32 [batch + 1], num_seqs int32 [1])``, checked when concrete, else clipped; the
+    sequences at or past ``num_seqs`` get no queries."""
+    import jax.numpy as jnp
+
+    c_shape = _shape_of("cu_q_lens", cu_q_lens)
+    if c_shape != (batch + 1,):
+        raise TpuattnError(f"cu_q_lens: expected shape ({batch + 1},) (batch + 1: one more than lengths), "
+                           f"got {c_shape}")
+    if not np.issubdtype(np.dtype(cu_q_lens.dtype), np.integer):
+        raise TypeError(f"cu_q_lens: expected an integer dtype (int32), got {cu_q_lens.dtype}")
+    if num_seqs is None:
+        num_seqs = np.array([batch], np.int32)
+    elif isinstance(num_seqs, int | np.integer):
+        num_seqs = np.array([num_seqs], np.int64)
+    n_shape = _shape_of("num_seqs", num_seqs)
+    if n_shape not in ((), (1,)) or not np.issubdtype(np.dtype(num_seqs.dtype), np.integer):
+        raise TpuattnError(f"num_seqs: expected an int or an integer array of one element, got shape "
+                           f"{n_shape} of {num_seqs.dtype}")
+    n_known = _concrete(num_seqs)
+    if n_known is not None and not 0 <= int(n_known.reshape(-1)[0]) <= batch:
+        raise TpuattnError(f"num_seqs: expected a value in [0, {batch}] (the batch), got "
+                           f"{int(n_known.reshape(-1)[0])}")
+    live = _clip_int32(jnp.reshape(num_seqs, (1,)), batch)
+    known = _concrete(cu_q_lens)
+    if known is not None:
+        n = batch if n_known is None else int(n_known.reshape(-1)[0])
+        seen = known[: n + 1].astype(np.int64)
+        if seen[0] != 0:
+            raise TpuattnError(f"cu_q_lens: expected 0 first (the start of sequence 0's tokens), got "
+                               f"{seen[0]}")
+        drops = np.flatnonzero(np.diff(seen) < 0)
+        if drops.size:
+            i = int(drops[0])
+            raise TpuattnError(f"cu_q_lens: expected non-decreasing values (query lengths >= 0), got "
+                               f"{seen[i + 1]} after {seen[i]} at [{i + 1}]")
+        if seen[-1] > total:
+            raise TpuattnError(f"cu_q_lens: expected values at most {total} (q's total_tokens), got "
+                               f"{seen[-1]} at [{n}]")
+    cu = jax.lax.cummax(_clip_int32(cu_q_lens, total), axis=0)
+    cu = cu - cu[0]
+    cu = jnp.where(jnp.arange(batch + 1) <= live[0], cu, cu[jnp.minimum(live[0], batch)])
+    return cu, live
+
+
+def _scales(k_scale, v_scale, num_kv_heads: int, cache_dtype):
+    """``(k_scale, v_scale, how)``: float32 ``[kv_heads]`` (or None) and ``"tensor"``/``"head"``/None."""
+    import jax.numpy as jnp
+
+    if (k_scale is None) != (v_scale is None):
+        given = "k_scale" if v_scale is None else "v_scale"
+        raise TpuattnError(f"k_scale and v_scale: expected both or neither, got only {given}")
+    if k_scale is None:
+        if cache_dtype in QUANTIZED_DTYPES:
+            raise TpuattnError(f"k_scale, v_scale: expected the scales of a {cache_dtype} cache (float32 [] "
+                               f"per tensor or [{num_kv_heads}] per kv head), got None")
+        return None, None, None
+    out, hows = [], set()
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(x, int | float | np.number):
+            x = np.asarray(x, np.float32)
+        shape = _shape_of(name, x)
+        if shape not in ((), (1,), (num_kv_heads,)):
+            raise TpuattnError(f"{name}: expected shape () per tensor or ({num_kv_heads},) per kv head, "
+                               f"got {shape}")
+        if not np.issubdtype(np.dtype(x.dtype), np.floating) and np.dtype(x.dtype).name != "bfloat16":
+            raise TypeError(f"{name}: expected a float dtype (float32), got {x.dtype}")
+        known = _concrete(x)
+        if known is not None:
+            bad = ~(np.isfinite(known.astype(np.float64)) & (known.astype(np.float64) >= 0))
+            if bad.any():
+                value = known.reshape(-1)[np.argmax(bad.reshape(-1))]
+                raise TpuattnError(f"{name}: expected finite values >= 0, got {value}")
+        hows.add("head" if shape == (num_kv_heads,) and num_kv_heads > 1 else "tensor")
+        out.append(jnp.broadcast_to(jnp.asarray(x, jnp.float32).reshape(-1), (num_kv_heads,)))
+    return out[0], out[1], "head" if "head" in hows else "tensor"
 
 
 def padded_rows(rows: int, dtype) -> int:
