@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from tpuattn import api, bench, chips, roofline
-from tpuattn.model import published
+from tpuattn import api, bench, chips
+from tpuattn.model import published, roofline
 from tpuattn.model.roofline import GIB, MIB
 from tpuattn.pallas import blocks
 from tpuattn.spec import spec_from_shapes
@@ -554,3 +554,47 @@ def test_the_roofline_reads_the_record_by_attribute_and_refuses_anything_else(mo
     patched(model=ScheduleModel(lse_row_bytes=512, delta_row_bytes=4, kernel_layout_copies=True))
     saves = roofline.cost("splash", spec, q_block=128, kv_block=128)
     assert saves.hbm_bytes - base.hbm_bytes == 1 * 2 * 1024 * 512
+
+
+# ---------------------------------------------------------------------------- argument shapes
+def _pallas_forward_peak_oracle(seq_len, heads, head_dim, relaid_out):
+    """Peak HBM of the Pallas forward on a chip whose XLA keeps nothing in VMEM (v5p in the model),
+    counted from the shapes alone: Q, K, V in and O out (bf16), the logsumexp nothing reads (8 float32
+    statistics a query row), and, for contract-shaped arguments, the relaid-out K and V and the
+    kernel's O (Q's relayout is dead before O is written, so it lives in O's buffer)."""
+    array = seq_len * heads * head_dim * 2
+    lse = seq_len * heads * 8 * 4
+    return 4 * array + lse + (3 * array if relaid_out else 0)
+
+
+def test_projected_arguments_have_no_relayout_and_contract_shaped_ones_do():
+    spec = roofline.problem(8192, heads=8, head_dim=128, causal=True)
+    contract = roofline.cost("pallas", spec, chip="v5p")
+    projected = roofline.cost("pallas", spec, chip="v5p", arguments="projected")
+    assert (contract.arguments, projected.arguments) == ("contract", "projected")
+    assert contract.peak_hbm_bytes == _pallas_forward_peak_oracle(8192, 8, 128, relaid_out=True)
+    assert projected.peak_hbm_bytes == _pallas_forward_peak_oracle(8192, 8, 128, relaid_out=False)
+    # no wrapper traffic either: the compiled projected call moves nothing outside its kernels
+    assert not [what for what, _ in projected.breakdown if what.startswith("wrapper")]
+    assert contract.hbm_bytes - projected.hbm_bytes == 2 * 4 * 8192 * 8 * 128 * 2  # Q, K, V, O: read + write
+    # the gradient: the cotangent dO is still a buffer the kernels read (in HBM on v5p), the
+    # gradients go straight into the results
+    grad = roofline.cost("pallas", spec, "fwd+bwd", chip="v5p", arguments="projected")
+    array, row_stats = 8192 * 8 * 128 * 2, 8192 * 8 * 8 * 4
+    assert grad.peak_hbm_bytes == 3 * array + 3 * array + array + 2 * row_stats  # + dO, lse, delta
+
+
+def test_argument_shapes_change_nothing_where_the_kernel_layout_is_a_copy_either_way():
+    # splash reads [batch, heads, seq, head_dim] and the Pallas kernel at head_dim 96 the padded
+    # heads-first view: both copy projected arrays as they copy contract-shaped ones
+    for impl, head_dim in (("splash", 128), ("pallas", 96)):
+        spec = roofline.problem(4096, heads=8, head_dim=head_dim, causal=True)
+        for mode in ("fwd", "fwd+bwd"):
+            a = roofline.cost(impl, spec, mode, chip="v5e")
+            b = roofline.cost(impl, spec, mode, chip="v5e", arguments="projected")
+            assert (a.peak_hbm_bytes, a.hbm_bytes) == (b.peak_hbm_bytes, b.hbm_bytes), (impl, mode)
+    from tpuattn.errors import TpuattnError
+
+    expected = r"^arguments: expected one of \['contract', 'projected'\], got 'flat'"
+    with pytest.raises(TpuattnError, match=expected):
+        roofline.cost("pallas", roofline.problem(256), arguments="flat")

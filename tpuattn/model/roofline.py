@@ -59,6 +59,17 @@ assignment showed on a grid of chips, lengths, implementations and modes
 (``benchmarks/peak_hbm_grid.py``; ``tests/test_aot_model_grid.py`` holds it within 10%).
 ``Cost.peak_breakdown`` says where each buffer went.
 
+**Argument shapes.** ``cost(..., arguments=...)`` says how the call's Q, K, V arrive and O leaves
+(:data:`ARGUMENT_SHAPES`): ``"contract"``, arrays of the contract's ``[batch, seq, heads, head_dim]``
+shape, or ``"projected"``, arrays that a projection made as ``[batch, seq, heads * head_dim]`` and
+reshaped to the contract's shape (and O reshaped back into one). A TPU tiles an array's last two
+dimensions, so a kernel that reads the columns view ``[batch, seq, heads * head_dim]``
+(:class:`tpuattn.pallas.layout.Layout`) needs a relayout of contract-shaped arguments, and none of
+projected ones: the reshapes cancel, no copy is made, and the model then charges none (on v5p, whose
+XLA gets no VMEM in the model, the Pallas forward at 8192 tokens is 114 MiB contract-shaped and 66 MiB
+projected, as the compiler's 112 and 66). A kernel that reads ``[batch, heads, seq, head_dim]`` (splash,
+or the heads-first view) copies either way.
+
 **Crossovers.** :func:`materialise_crossover` is the sequence length at which the materialised
 schedule's score buffers stop fitting in HBM; :func:`vmem_crossover` is the length at which a
 fused kernel that holds a whole row block of scores (no online softmax) stops fitting in the VMEM
@@ -76,6 +87,7 @@ import numpy as np
 
 from tpuattn import api, chips
 from tpuattn._checks import positive_int
+from tpuattn.errors import TpuattnError
 from tpuattn.impl.blockwise import schedule as blockwise_schedule
 from tpuattn.measure.flops import FORWARD_FLOPS_PER_SCORE, MODES, attention_flops, check_mode
 from tpuattn.pallas.blocks import backward_vmem_bytes, dq_vmem_bytes, forward_vmem_bytes
@@ -90,9 +102,12 @@ MIB = 1024**2
 F32_PASSES = 6
 
 SCHEDULES = ("materialised", "flash", "flash (row-sum pass)", "blockwise (XLA loop)")
+# How the call's Q, K, V arrive and O leaves (see the module's docstring, "Argument shapes").
+ARGUMENT_SHAPES = ("contract", "projected")
 SOURCES = ("table", "jax")
 
-__all__ = ["BUFFER_KINDS", "F32_PASSES", "GIB", "MIB", "MODES", "SCHEDULES", "SOURCES", "TRANSCENDENTALS",
+__all__ = ["ARGUMENT_SHAPES", "BUFFER_KINDS", "F32_PASSES", "GIB", "MIB", "MODES", "SCHEDULES", "SOURCES",
+           "TRANSCENDENTALS",
            "ChipSpec", "Cost", "Prediction",
            "chip_spec", "cost", "default_blocks", "jax_has_tpu_info", "materialise_crossover", "models",
            "predict", "problem", "roofline_curve", "schedule_model", "standard_flops", "visited_tiles",
@@ -258,6 +273,7 @@ class Cost:
     # (what, bytes, where) of every buffer the peak counts or leaves out; where is "HBM",
     # "VMEM" (kept on chip by XLA, not counted) or "a result's buffer" (shares it, not counted)
     peak_breakdown: tuple[tuple[str, float, str], ...] = ()
+    arguments: str = "contract"  # how Q, K, V arrive and O leaves: one of ARGUMENT_SHAPES
 
     @property
     def intensity(self) -> float:
@@ -441,10 +457,24 @@ def _check_blocks(q_block, kv_block) -> None:
     positive_int("kv_block", kv_block)
 
 
+def _relaid_out(params: ScheduleModel, spec, arguments: str) -> bool:
+    """Does the wrapper move Q, K, V (and O, dO, dQ, dK, dV) between the call's arrays and the kernel
+    layout? Not where the record says it never does, and not where the kernel reads the columns view
+    ``[batch, seq, heads * head_dim]`` (:class:`tpuattn.pallas.layout.Layout`; a record that pairs
+    heads reads through it) of projection-shaped arrays: there the reshapes cancel. Compiled for v5e,
+    v6e and v5p (libtpu 0.0.42.1), the Pallas wrapper's projected call has no data movement outside
+    its kernels (:func:`tpuattn.measure.aot.wrapper_moves`), the contract-shaped one four moves of
+    Q's size in a forward."""
+    if not params.kernel_layout_copies:
+        return False
+    return not (arguments == "projected" and params.pairs_heads and Layout.for_spec(spec).columns)
+
+
 def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backward: bool,
-           row_sum_pass: bool = False, chip: ChipSpec | None = None) -> Cost:
+           row_sum_pass: bool = False, chip: ChipSpec | None = None, arguments: str = "contract") -> Cost:
     """The flash schedule. ``row_sum_pass``: the backward's delta is rowsum(P * dP), summed by a pass
-    of its own over the visited tiles (tpuattn's Pallas kernel), not rowsum(dO * O) (splash)."""
+    of its own over the visited tiles (tpuattn's Pallas kernel), not rowsum(dO * O) (splash).
+    ``arguments``: one of :data:`ARGUMENT_SHAPES` (:func:`_relaid_out`)."""
     _check_blocks(q_block, kv_block)
     params = schedule_model(impl)
     lse_row, delta_row = params.lse_row_bytes, params.delta_row_bytes
@@ -517,7 +547,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     rows = spec.batch * spec.num_q_heads * spec.q_len
     lse, delta = rows * lse_row, rows * delta_row
     written = rows * (params.lse_written_row_bytes or lse_row)  # the logsumexp as the forward writes it
-    copies = params.kernel_layout_copies
+    copies = _relaid_out(params, spec, arguments)
     if mode == "fwd+bwd" or params.forward_saves_lse:
         breakdown.append(("write logsumexp", written))
     if copies:
@@ -534,7 +564,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
     # (``lse_copies_in_backward`` re-laid-out copies, or the saved one) and delta. The kernels'
     # gradients in the kernel layout reuse buffers dead by then (unless head_dim is padded).
     # :func:`_peak` places them: copies in the results' buffers, others in VMEM while they fit.
-    arguments, results = q_bytes + 2 * kv_bytes, _arguments_and_results(q_bytes, kv_bytes, mode) - (
+    argument_bytes, results = q_bytes + 2 * kv_bytes, _arguments_and_results(q_bytes, kv_bytes, mode) - (
         q_bytes + 2 * kv_bytes)
     kind = "copy" if copies else "temp"
     temps = [("Q in the kernel layout", widen * q_bytes, kind),
@@ -551,6 +581,9 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
             temps.append(("O from the kernel (the backward's residual)", widen * q_bytes, "copy"))
         if copies:
             temps.append(("dO in the kernel layout", widen * q_bytes, "copy"))
+        else:  # the cotangent the gradient makes, already in the kernel layout: the kernels read it
+            # while they write the results, so it shares none of their buffers
+            temps.append(("dO as the kernels read it", widen * q_bytes, "temp"))
         if params.lse_copies_in_backward == 0:
             temps.append(("logsumexp as the forward wrote it", written, "temp"))
         for n in range(params.lse_copies_in_backward):
@@ -561,7 +594,7 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
             temps += [("dQ from the kernel", widen * q_bytes, "temp"),
                       ("dK from the kernel", widen * kv_bytes, "temp"),
                       ("dV from the kernel", widen * kv_bytes, "temp")]
-    peak, placed = _peak(arguments, results, temps, chip)
+    peak, placed = _peak(argument_bytes, results, temps, chip)
     name = "flash (row-sum pass)" if row_sum_pass else "flash"
     # one exp per computed score and pass that computes P: the forward, then the row-sum pass, and
     # the dK/dV and dQ kernels (or the fused one)
@@ -571,7 +604,8 @@ def _flash(impl: str, spec, mode: str, q_block: int, kv_block: int, fused_backwa
                                       * transcendentals_per_score(spec)),
                 standard_flops=standard_flops(spec, mode),
                 hbm_bytes=sum(b for _, b in breakdown), peak_hbm_bytes=float(peak), vmem_bytes=float(vmem),
-                breakdown=tuple(breakdown), visited_fraction=visited / (nq * nk), peak_breakdown=placed)
+                breakdown=tuple(breakdown), visited_fraction=visited / (nq * nk), peak_breakdown=placed,
+                arguments=arguments)
 
 
 # Per-tile passes of the blockwise step through HBM, bytes per score element, as XLA:TPU fuses them
@@ -684,20 +718,26 @@ def default_blocks(impl: str, spec, chip: ChipSpec | None = None) -> tuple[int, 
 
 
 def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_block: int | None = None,
-         fused_backward: bool = False, chip: ChipSpec | None = None) -> Cost:
+         fused_backward: bool = False, chip: ChipSpec | None = None, arguments: str = "contract") -> Cost:
     """FLOPs and HBM bytes of ``impl``'s schedule (its record's ``schedule``) for ``spec``.
 
     Blocks default to :func:`default_blocks` (``chip`` sizes them, as it sizes the kernel's).
+    ``arguments``: how Q, K, V arrive and O leaves, one of :data:`ARGUMENT_SHAPES` (the module's
+    docstring, "Argument shapes"); only a flash schedule whose kernel reads the columns view tells
+    them apart.
     """
     check_mode(mode)
+    if arguments not in ARGUMENT_SHAPES:
+        raise TpuattnError(f"arguments: expected one of {list(ARGUMENT_SHAPES)}, got {arguments!r}")
     schedule = api.get_implementation(impl).schedule
     if schedule is None:
         raise ValueError(f"impl: expected one of {sorted(models())} (modelled schedules), got {impl!r}")
     if schedule not in SCHEDULES:  # a misspelt schedule is an error, never a silent default
         raise ValueError(f"{impl}: its record's schedule: expected one of {list(SCHEDULES)}, "
                          f"got {schedule!r}")
-    if schedule == "materialised":
-        return _materialised(impl, spec, mode, None if chip is None else _as_chip_spec(chip))
+    if schedule == "materialised":  # XLA's programs: the model does not tell the shapes apart
+        chip = None if chip is None else _as_chip_spec(chip)
+        return dataclasses.replace(_materialised(impl, spec, mode, chip), arguments=arguments)
     if q_block is None or kv_block is None:
         default_q, default_kv = default_blocks(impl, spec, chip)
         q_block = default_q if q_block is None else q_block
@@ -705,9 +745,10 @@ def cost(impl: str, spec, mode: str = "fwd", *, q_block: int | None = None, kv_b
     if schedule in ("flash", "flash (row-sum pass)"):
         return _flash(impl, spec, mode, q_block, kv_block, fused_backward,
                       row_sum_pass=schedule == "flash (row-sum pass)",
-                      chip=None if chip is None else _as_chip_spec(chip))
-    return _blockwise(impl, spec, mode, q_block, kv_block,  # "blockwise (XLA loop)"
-                      chip=None if chip is None else _as_chip_spec(chip))
+                      chip=None if chip is None else _as_chip_spec(chip), arguments=arguments)
+    return dataclasses.replace(_blockwise(impl, spec, mode, q_block, kv_block,  # "blockwise (XLA loop)"
+                                          chip=None if chip is None else _as_chip_spec(chip)),
+                               arguments=arguments)
 
 
 # ----------------------------------------------------------------------------- predictions
