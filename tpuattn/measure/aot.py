@@ -937,7 +937,8 @@ def decode_engine_table(rows, model_bytes=None) -> str:
                  mb(r["peak_hbm_bytes"])]
         if model_bytes:
             model = model_bytes.get((r["chip"], r["shape"], r["cache_dtype"]))
-            cells.append("-" if model is None or r["bytes_accessed"] is None
+            # JAX's kernel passes no cost estimate: its bytes accessed are not its traffic
+            cells.append("-" if model is None or r["bytes_accessed"] is None or r["engine"] != "tpuattn"
                          else f"{r['bytes_accessed'] / model:.2f}x")
         lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
