@@ -124,6 +124,69 @@ def test_continuous_batching_equals_recomputation(decode_impl):
         assert _relative(logits, expected_logits) <= LOGIT_TOL
 
 
+@pytest.mark.parametrize("decode_impl", ["reference", "pallas"])
+def test_mixed_batches_equal_recomputation(decode_impl):
+    """Chunked prefill beside running decodes, one ragged call a step (chunk 4: the 13- and 19-byte
+    prompts take 4 and 5 steps of prefill while the others decode): the tokens recomputation gives,
+    and logits within float32 rounding; an admitted prompt joins the step right away."""
+    model = _model("reference", seed=2)
+    prompts = [lm.encode(p) for p in PROMPTS]
+    served = lm.serve(model, prompts, NEW, slots=3, page_size=4, num_pages=16, decode_impl=decode_impl,
+                      keep_logits=True, chunk=4)
+    _live_pages_disjoint(served.events)
+    admitted = {e[2]: e[0] for e in served.events if e[1] == "admit"}
+    retired = {e[2]: e[0] for e in served.events if e[1] == "retire"}
+    assert sorted(admitted) == list(range(len(prompts)))
+    # Prompt 3 is admitted as a slot frees and decoded tokens keep coming in the steps it prefills.
+    late = max(admitted, key=admitted.get)
+    busy = [i for i in admitted if i != late and admitted[i] <= admitted[late] < retired[i]]
+    assert busy, "no prompt was prefilled beside a running decode"
+    # Steps: every prompt's chunks and tokens, sharing steps (fewer than one prefill step a chunk plus
+    # one decode step a token, each prompt alone).
+    alone = sum(-(-len(p) // 4) + n - 1 for p, n in zip(prompts, NEW, strict=True))
+    assert served.steps < alone
+    for prompt, n, tokens, logits in zip(prompts, NEW, served.tokens, served.logits, strict=True):
+        expected_tokens, expected_logits = lm.recompute(model, prompt, n, keep_logits=True)
+        np.testing.assert_array_equal(tokens, expected_tokens)
+        assert _relative(logits, expected_logits) <= LOGIT_TOL
+
+
+# A quantized cache (per-layer, per-kv-head scales calibrated on the prompts' prefill): the logits'
+# distance from recomputation's, relative to the largest logit. Measured (tests print them with -s):
+# int8 and float8_e4m3fn both below these bounds on JAX 0.10.2 and 0.7.2.
+QUANTIZED_LOGIT_TOL = {"int8": 0.02, "float8_e4m3fn": 0.1}
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+def test_a_quantized_cache_stays_close_to_recomputation(cache_dtype):
+    model = _model("reference", seed=2)
+    prompts = [lm.encode(p) for p in PROMPTS]
+    served = lm.serve(model, prompts, NEW, slots=2, page_size=4, num_pages=12, decode_impl="reference",
+                      keep_logits=True, chunk=4, cache_dtype=cache_dtype)
+    worst, same = 0.0, 0
+    for prompt, n, tokens, logits in zip(prompts, NEW, served.tokens, served.logits, strict=True):
+        # Recompute the logits along the served tokens (teacher forcing), so that one flipped argmax
+        # does not compare different continuations.
+        full = np.concatenate([prompt, tokens[:-1]])
+        expected = np.asarray(model(full[None])[0], np.float64)[len(prompt) - 1:]
+        worst = max(worst, _relative(logits, expected))
+        same += int(np.array_equal(tokens, lm.recompute(model, prompt, n)))
+    print(f"{cache_dtype} cache: logits within {worst:.2e} of the full-width model's (relative to the "
+          f"largest); {same} of {len(prompts)} prompts' greedy tokens equal recomputation")
+    assert 0 < worst <= QUANTIZED_LOGIT_TOL[cache_dtype]
+
+
+def test_calibrated_scales_cover_the_prompts_keys():
+    model = _model("reference", seed=2)
+    prompts = [lm.encode(p) for p in PROMPTS]
+    k_scale, v_scale = lm.calibrate(model, prompts, "int8", headroom=1.0)
+    _, kvs = model.prefill(prompts[-1][None])
+    for layer, (k, v) in enumerate(kvs):
+        for x, scale in ((k, k_scale), (v, v_scale)):
+            amax = np.abs(np.asarray(x, np.float64)).max(axis=(0, 1, 3))
+            assert np.all(amax <= 127 * np.asarray(scale[layer], np.float64) * (1 + 1e-6))
+
+
 def test_the_free_list_never_hands_out_a_page_in_use():
     rng = np.random.default_rng(0)
     pages, held = lm.PageAllocator(12), []
@@ -156,6 +219,13 @@ def test_the_free_list_never_hands_out_a_page_in_use():
     (lambda: lm.serve(_model(), [np.array([1, 2])], [1, 2]), "max_new_tokens"),
     (lambda: lm.serve(_model(), [np.arange(40)], 8, page_size=4, num_pages=8), r"prompts\[0\]: needs 12"),
     (lambda: list(zip(range(1), lm.batches(np.arange(10), batch=2, seq=16), strict=False)), "data"),
+    (lambda: lm.serve(_model(), [np.array([1, 2])], 3, cache_dtype="int8"), "cache_dtype: a quantized"),
+    (lambda: lm.serve(_model(), [np.array([1, 2])], 3, chunk=4, cache_dtype="int4"), "cache_dtype"),
+    (lambda: lm.serve(_model(), [np.array([1, 2])], 3, chunk=0), "chunk"),
+    (lambda: lm.calibrate(_model(), [np.array([1, 2])], "int8", headroom=0.5), "headroom"),
+    (lambda: lm.PagedCache.empty(CONFIG, 4, 4, dtype="int8"), "k_scale, v_scale"),
+    (lambda: lm.PagedCache.empty(CONFIG, 4, 4, dtype="int8", k_scale=np.ones(2), v_scale=np.ones(2)),
+     r"k_scale: expected float32 \[layers, kv_heads\]"),
 ])
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

@@ -11,7 +11,12 @@ Three ways through the same weights:
 * ``model.prefill(tokens)``: the same, plus each layer's keys and values (after RoPE), which a server
   writes into its KV cache;
 * ``model.decode_step(tokens, positions, cache, page_table)``: one new token per sequence against a
-  paged KV cache through :func:`tpuattn.decode.attention` (see :mod:`tpuattn.lm.serve`).
+  paged KV cache through :func:`tpuattn.decode.attention` (see :mod:`tpuattn.lm.serve`);
+* ``model.mixed_step(tokens, positions, seq, cu_q_lens, lengths, cache, page_table)``: a ragged batch,
+  chunks of prompts beside single decoded tokens, in one call: every token's key and value written into
+  the pages (quantized for an int8 or float8 cache), then every token's query against its sequence's
+  keys through :func:`tpuattn.decode.attention` with ``cu_q_lens`` (continuous batching with chunked
+  prefill, as TPU inference engines step).
 
 Shapes are written ``[batch, seq, heads, head_dim]``, the contract's order.
 """
@@ -27,6 +32,7 @@ from flax import nnx
 from tpuattn._checks import positive_int
 from tpuattn.api import attention
 from tpuattn.decode import attention as decode_attention
+from tpuattn.decode import write as write_pages
 
 __all__ = ["VOCAB", "Config", "PagedCache", "Transformer", "rope"]
 
@@ -86,15 +92,43 @@ class PagedCache:
 
     k: jax.Array
     v: jax.Array
+    k_scale: jax.Array | None = None  # a quantized cache's float32 scales, [layers, kv_heads]
+    v_scale: jax.Array | None = None
 
     @classmethod
-    def empty(cls, config: Config, num_pages: int, page_size: int) -> PagedCache:
+    def empty(cls, config: Config, num_pages: int, page_size: int, *, dtype=None, k_scale=None,
+              v_scale=None) -> PagedCache:
+        """Zeros of the model's dtype, or of a quantized ``dtype`` (``"int8"``, ``"float8_e4m3fn"``) with
+        its fixed scales ``k_scale``, ``v_scale`` (float32 ``[layers, kv_heads]``, e.g. from
+        :func:`tpuattn.lm.serve.calibrate`): entry ``e`` of layer ``l``, kv head ``h`` holds ``e *
+        k_scale[l, h]``."""
         shape = (config.layers, num_pages, page_size, config.kv_heads, config.head_dim)
-        return cls(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
+        dtype = config.dtype if dtype is None else jnp.dtype(dtype).name
+        quantized = dtype in ("int8", "float8_e4m3fn")
+        if quantized != (k_scale is not None and v_scale is not None):
+            raise ValueError(f"k_scale, v_scale: expected both for an int8 or float8_e4m3fn cache and "
+                             f"neither for {config.dtype}, got a {dtype} cache with k_scale "
+                             f"{'set' if k_scale is not None else 'None'}, v_scale "
+                             f"{'set' if v_scale is not None else 'None'}")
+        scales = {}
+        if quantized:
+            for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+                x = jnp.asarray(x, jnp.float32)
+                if x.shape != (config.layers, config.kv_heads):
+                    raise ValueError(f"{name}: expected float32 [layers, kv_heads] = "
+                                     f"[{config.layers}, {config.kv_heads}], got shape {x.shape}")
+                scales[name] = x
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), **scales)
 
     @property
     def page_size(self) -> int:
         return self.k.shape[2]
+
+    def scales(self, layer: int) -> dict:
+        """The keyword arguments of :func:`tpuattn.decode.attention` for ``layer``'s pages."""
+        if self.k_scale is None:
+            return {}
+        return dict(k_scale=self.k_scale[layer], v_scale=self.v_scale[layer])
 
 
 class Attention(nnx.Module):
@@ -136,6 +170,20 @@ class Attention(nnx.Module):
         o = decode_attention(q, k_pages, v_pages, positions + 1, page_table=page_table, impl=impl)
         return self.out(o.reshape(x.shape[0], -1)), k_pages, v_pages
 
+    def mixed(self, x, positions, seq, cu_q_lens, lengths, k_pages, v_pages, page_table, impl: str,
+              scales: dict):
+        """A ragged batch of new tokens, ``x [tokens, d_model]``: token ``t`` of sequence ``seq[t]`` at
+        ``positions[t]`` (``-1``: padding, never written). Every key and value is written into the pages
+        first (quantized with the cache's scales), then each query attends to its sequence's keys up to
+        its own position (``cu_q_lens``, ``lengths``: the decode contract's ragged form)."""
+        q, k, v = self.project(x[None], jnp.maximum(positions, 0)[None])
+        scale_of = lambda name: None if not scales else scales[name]
+        k_pages = write_pages(k_pages, k[0], page_table, positions, seq=seq, scale=scale_of("k_scale"))
+        v_pages = write_pages(v_pages, v[0], page_table, positions, seq=seq, scale=scale_of("v_scale"))
+        o = decode_attention(q[0], k_pages, v_pages, lengths, page_table=page_table, cu_q_lens=cu_q_lens,
+                             impl=impl, **scales)
+        return self.out(o.reshape(x.shape[0], -1)), k_pages, v_pages
+
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
@@ -167,6 +215,11 @@ class Block(nnx.Module):
     def decode(self, x, positions, k_pages, v_pages, page_table, impl):
         a, k_pages, v_pages = self.attention.decode(self.attention_norm(x), positions, k_pages, v_pages,
                                                     page_table, impl)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), k_pages, v_pages
+
+    def mixed(self, x, *args):
+        a, k_pages, v_pages = self.attention.mixed(self.attention_norm(x), *args)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), k_pages, v_pages
 
@@ -243,3 +296,33 @@ class Transformer(nnx.Module):
             ks.append(k_pages)
             vs.append(v_pages)
         return self._logits(x), PagedCache(jnp.stack(ks), jnp.stack(vs))
+
+    def mixed_step(self, tokens, positions, seq, cu_q_lens, lengths, cache: PagedCache, page_table, *,
+                   impl: str | None = None):
+        """One step of a ragged batch: chunks of prompts (chunked prefill) beside single new tokens.
+
+        Args:
+          tokens: int ``[total]``: the new tokens, each sequence's one after the other, then padding.
+          positions: int ``[total]``: each token's position in its sequence; ``-1`` for padding.
+          seq: int ``[total]``: each token's sequence (its row of ``page_table``).
+          cu_q_lens: int32 ``[batch + 1]``: sequence ``i``'s tokens are ``cu_q_lens[i] ..
+            cu_q_lens[i + 1] - 1`` (0 of them for an idle slot).
+          lengths: int ``[batch]``: each sequence's length after this step.
+          cache: the :class:`PagedCache` (full width or quantized); the tokens' keys and values are
+            written into it.
+          page_table: int32 ``[batch, pages_per_sequence]``.
+
+        Returns:
+          (logits ``[total, 256]``: token ``t``'s predict the token after it, the updated cache).
+        """
+        tokens = self._tokens(tokens, 1)
+        positions = self._tokens(positions, 1, "positions")
+        x = self.embed(tokens).astype(self.config.dtype)
+        ks, vs = [], []
+        for layer, block in enumerate(self.blocks):
+            x, k_pages, v_pages = block.mixed(x, positions, seq, cu_q_lens, lengths, cache.k[layer],
+                                              cache.v[layer], page_table, impl or self.decode_impl,
+                                              cache.scales(layer))
+            ks.append(k_pages)
+            vs.append(v_pages)
+        return self._logits(x), PagedCache(jnp.stack(ks), jnp.stack(vs), cache.k_scale, cache.v_scale)

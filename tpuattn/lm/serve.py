@@ -12,6 +12,13 @@ How it works, one loop iteration at a time (:func:`serve`):
    handed out), so the step's shapes never change and it compiles once.
 3. **Retire.** A sequence that has its tokens gives its pages back; the next prompt takes them.
 
+With ``chunk=C`` the server steps as TPU inference engines do (continuous batching with chunked
+prefill): an admitted prompt is not prefilled in a call of its own but fed ``C`` tokens a step beside
+the running decodes, all in one call of :meth:`~tpuattn.lm.model.Transformer.mixed_step` (a ragged
+batch: :func:`tpuattn.decode.attention` with ``cu_q_lens``), so a new prompt never stalls the others.
+``cache_dtype="int8"`` or ``"float8_e4m3fn"`` (with ``chunk``) keeps the KV cache quantized, one byte
+an entry, with per-layer, per-kv-head scales from :func:`calibrate`.
+
 :func:`recompute` is the check: greedy decoding that runs the whole sequence through the model at
 every step, with no cache at all.
 """
@@ -27,9 +34,10 @@ import numpy as np
 from flax import nnx
 
 from tpuattn._checks import is_int, positive_int
+from tpuattn.decode.quant import QMAX
 from tpuattn.lm.model import VOCAB, PagedCache
 
-__all__ = ["SCRATCH_PAGE", "PageAllocator", "Served", "recompute", "serve"]
+__all__ = ["SCRATCH_PAGE", "PageAllocator", "Served", "calibrate", "recompute", "serve"]
 
 SCRATCH_PAGE = 0  # empty slots write here; never handed to a sequence
 
@@ -109,7 +117,8 @@ def _check_prompts(prompts, max_new_tokens):
 
 def serve(model, prompts, max_new_tokens, *, slots: int = 2, page_size: int = 8, num_pages: int = 16,
           pages_per_sequence: int | None = None, impl: str | None = None, decode_impl: str | None = None,
-          keep_logits: bool = False) -> Served:
+          keep_logits: bool = False, chunk: int | None = None, cache_dtype: str | None = None,
+          headroom: float = 1.25) -> Served:
     """Greedy decoding of every prompt with continuous batching over a paged KV cache.
 
     Args:
@@ -122,9 +131,19 @@ def serve(model, prompts, max_new_tokens, *, slots: int = 2, page_size: int = 8,
       pages_per_sequence: the page table's width (default: the most any prompt needs).
       impl, decode_impl: the prefill's and decode's implementations (default: the model's).
       keep_logits: also return the logits each token was chosen from.
+      chunk: step mixed batches: each step feeds every prefilling prompt its next ``chunk`` tokens
+        beside one token of every decoding sequence, in one call (``slots * chunk`` token rows, so it
+        compiles once). ``None``: prefill each prompt in a call of its own, then decode.
+      cache_dtype: with ``chunk``, ``"int8"`` or ``"float8_e4m3fn"`` for a quantized KV cache (scales
+        from :func:`calibrate` over the prompts, times ``headroom``); ``None``: the model's dtype.
     """
     prompts, news = _check_prompts(prompts, max_new_tokens)
     slots, page_size = positive_int("slots", slots), positive_int("page_size", page_size)
+    if cache_dtype is not None and chunk is None:
+        raise ValueError(f"cache_dtype: a quantized cache needs the mixed-batch server (chunk=...), got "
+                         f"cache_dtype={cache_dtype!r} with chunk=None")
+    if cache_dtype is not None and cache_dtype not in QMAX:
+        raise ValueError(f"cache_dtype: expected None, 'int8' or 'float8_e4m3fn', got {cache_dtype!r}")
     pages = PageAllocator(num_pages)
     need = [-(-(len(p) + n) // page_size) for p, n in zip(prompts, news, strict=True)]
     width = (max(need) if pages_per_sequence is None
@@ -134,6 +153,11 @@ def serve(model, prompts, max_new_tokens, *, slots: int = 2, page_size: int = 8,
             raise ValueError(f"prompts[{i}]: needs {n} pages of {page_size} for {len(prompts[i])} + "
                              f"{news[i]} tokens; pages_per_sequence={width}, num_pages - 1={num_pages - 1}")
 
+    if chunk is not None:
+        chunk = positive_int("chunk", chunk)
+        cache = _mixed_cache(model, prompts, num_pages, page_size, cache_dtype, headroom)
+        return _serve_mixed(model, prompts, news, need, width, slots, pages, cache, chunk,
+                            decode_impl, keep_logits)
     graphdef, state = nnx.split(model)  # jit the functions of the weights (Flax 0.11 and 0.12 alike)
     prefill = jax.jit(lambda state, tokens: nnx.merge(graphdef, state).prefill(tokens, impl=impl))
     step = jax.jit(lambda state, *args: nnx.merge(graphdef, state).decode_step(*args, impl=decode_impl))
@@ -186,6 +210,104 @@ def serve(model, prompts, max_new_tokens, *, slots: int = 2, page_size: int = 8,
             if owner[slot] is not None:
                 positions[slot] += 1
                 last[slot] = emit(owner[slot], logits[slot])
+    return Served([np.asarray(t, np.int32) for t in out], events, steps, pages.reused,
+                  [np.stack(k) for k in kept] if keep_logits else None)
+
+
+def calibrate(model, prompts, dtype: str, *, headroom: float = 1.25, impl: str | None = None):
+    """A quantized cache's fixed scales: ``(k_scale, v_scale)``, float32 ``[layers, kv_heads]``.
+
+    Each is the largest ``|key|`` (``|value|``) the prompts' prefill writes per layer and kv head, times
+    ``headroom`` (room for the decoded tokens' keys, which may be larger; beyond it an entry saturates),
+    over ``QMAX[dtype]`` (127 for int8, 448 for float8_e4m3fn), as engines calibrate KV-cache scales
+    offline. A head that only ever holds zeros gets scale 1."""
+    if dtype not in QMAX:
+        raise ValueError(f"dtype: expected 'int8' or 'float8_e4m3fn', got {dtype!r}")
+    if not (isinstance(headroom, int | float) and headroom >= 1):
+        raise ValueError(f"headroom: expected a number >= 1, got {headroom!r}")
+    prompts, _ = _check_prompts(prompts, 1)
+    graphdef, state = nnx.split(model)
+    prefill = jax.jit(lambda state, tokens: nnx.merge(graphdef, state).prefill(tokens, impl=impl)[1])
+    amax = np.zeros((2, model.config.layers, model.config.kv_heads))
+    for prompt in prompts:
+        for layer, kv in enumerate(prefill(state, prompt[None])):
+            for which in (0, 1):
+                x = np.abs(np.asarray(kv[which], np.float32))  # [1, seq, kv_heads, head_dim]
+                amax[which, layer] = np.maximum(amax[which, layer], x.max(axis=(0, 1, 3)))
+    scales = np.where(amax > 0, amax * headroom / QMAX[dtype], 1.0).astype(np.float32)
+    return jnp.asarray(scales[0]), jnp.asarray(scales[1])
+
+
+def _mixed_cache(model, prompts, num_pages, page_size, cache_dtype, headroom):
+    if cache_dtype is None:
+        return PagedCache.empty(model.config, num_pages, page_size)
+    k_scale, v_scale = calibrate(model, prompts, cache_dtype, headroom=headroom)
+    return PagedCache.empty(model.config, num_pages, page_size, dtype=cache_dtype, k_scale=k_scale,
+                            v_scale=v_scale)
+
+
+def _serve_mixed(model, prompts, news, need, width, slots, pages, cache, chunk, decode_impl,
+                 keep_logits) -> Served:
+    """:func:`serve` with ``chunk``: every step one ragged batch of prompt chunks and decoded tokens."""
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda state, *args: nnx.merge(graphdef, state).mixed_step(*args, impl=decode_impl))
+    total = slots * chunk  # token rows a step: every slot may feed a whole chunk
+    table = np.full((slots, width), SCRATCH_PAGE, np.int32)
+    length = np.zeros(slots, np.int32)  # tokens of the sequence in the cache
+    last = np.zeros(slots, np.int32)  # a decoding sequence's next token, not yet in the cache
+    owner = [None] * slots
+    out = [[] for _ in prompts]
+    kept = [[] for _ in prompts] if keep_logits else None
+    waiting, events, steps = deque(range(len(prompts))), [], 0
+
+    while waiting or any(o is not None for o in owner):
+        for slot in range(slots):  # admit: pages now, the prompt's tokens a chunk a step from here on
+            if owner[slot] is None and waiting and need[waiting[0]] <= len(pages.free):
+                i = waiting.popleft()
+                taken = pages.take(need[i])
+                table[slot] = SCRATCH_PAGE
+                table[slot, :len(taken)] = taken
+                owner[slot], length[slot] = i, 0
+                events.append((steps, "admit", i, slot, tuple(taken)))
+        tokens = np.zeros(total, np.int32)
+        positions = np.full(total, -1, np.int32)  # -1: padding, never written
+        seq = np.zeros(total, np.int32)
+        cu = np.zeros(slots + 1, np.int32)
+        ends = length.copy()
+        for slot in range(slots):  # one ragged batch: each slot's new tokens, one after the other
+            i, start = owner[slot], cu[slot]
+            if i is None:
+                new = np.zeros(0, np.int32)
+            elif length[slot] < len(prompts[i]):  # prefilling: the prompt's next chunk
+                new = prompts[i][length[slot]:length[slot] + chunk]
+            else:  # decoding: the last emitted token
+                new = last[slot:slot + 1]
+            n = len(new)
+            tokens[start:start + n] = new
+            positions[start:start + n] = length[slot] + np.arange(n)
+            seq[start:start + n] = slot
+            cu[slot + 1] = start + n
+            ends[slot] = length[slot] + n
+        logits, cache = step(state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(seq),
+                             jnp.asarray(cu), jnp.asarray(ends), cache, jnp.asarray(table))
+        logits, steps = np.asarray(logits), steps + 1
+        for slot in range(slots):
+            i = owner[slot]
+            if i is None:
+                continue
+            length[slot] = ends[slot]
+            if length[slot] < len(prompts[i]):
+                continue  # mid-prompt: nothing to emit yet
+            row = logits[cu[slot + 1] - 1]  # the sequence's last token predicts the next
+            out[i].append(int(np.argmax(row)))
+            if keep_logits:
+                kept[i].append(row.astype(np.float32))
+            last[slot] = out[i][-1]
+            if len(out[i]) == news[i]:  # retire
+                taken = [int(p) for p in table[slot] if p != SCRATCH_PAGE]
+                pages.give_back(taken)
+                events.append((steps, "retire", i, slot, tuple(taken)))
+                owner[slot], table[slot], length[slot], last[slot] = None, SCRATCH_PAGE, 0, 0
     return Served([np.asarray(t, np.int32) for t in out], events, steps, pages.reused,
                   [np.stack(k) for k in kept] if keep_logits else None)
 
