@@ -54,13 +54,13 @@ from jax.experimental.pallas import tpu as pltpu
 from tpuattn import chips, softmax
 from tpuattn._checks import known_options, positive_int
 from tpuattn.decode.registry import register
-from tpuattn.decode.spec import DecodeSpec, padded_rows
+from tpuattn.decode.spec import DecodeSpec, decode_spec_from_shapes, padded_rows
 from tpuattn.numerics import apply_softcap, first_order_only, matmul_precision
 from tpuattn.pallas.layout import LANES, NT_DIMS
 from tpuattn.sinks import sink_partial
 from tpuattn.supports import compiling_off_tpu_refused, low_precision_matmul_refused
 
-OPTIONS = ("block_size", "chunk_blocks", "pages_per_step", "interpret")
+OPTIONS = ("block_size", "chunk_blocks", "pages_per_step", "q_block", "interpret")
 DEFAULT_BLOCK_SIZE = 512  # rows of a contiguous cache per block
 DEFAULT_CHUNK_POSITIONS = 2048  # cache positions per chunk (split-K unit)
 FORWARD_ONLY = ("tpuattn.decode.attention(impl='pallas') is forward only (decode is inference): the kernel "
@@ -147,11 +147,13 @@ def _plan(block: int, num_blocks: int, chunk_blocks, per_step) -> tuple[int, int
 SUBLANES = 8  # a K/V block's kv heads lie on sublanes: all of them, or a multiple of 8
 
 
-def kv_heads_per_block(num_kv_heads: int) -> int:
+def kv_heads_per_block(num_kv_heads: int, itemsize: int = 2) -> int:
     """kv heads in one K/V block: 8 (one sublane tile) when ``num_kv_heads`` is a multiple of 8, so a
     block stays small in VMEM and the head groups are a parallel grid axis; otherwise all of them (a
-    block's last two dimensions must be multiples of ``(8, 128)`` or the array's whole dimensions)."""
-    return SUBLANES if num_kv_heads % SUBLANES == 0 else num_kv_heads
+    block's last two dimensions must be multiples of ``(8, 128)`` or the array's whole dimensions).
+    A one-byte (quantized) cache packs 32 rows per tile: 32 heads, or all of them."""
+    tile = 32 if itemsize == 1 else SUBLANES
+    return tile if num_kv_heads % tile == 0 else num_kv_heads
 
 
 def geometry(spec: DecodeSpec, block_size=None, chunk_blocks=None, pages_per_step=None) -> Geometry:
@@ -170,7 +172,7 @@ def geometry(spec: DecodeSpec, block_size=None, chunk_blocks=None, pages_per_ste
         num_blocks = -(-spec.capacity // block)
         pages_per_step = 1
     per_step, chunk_steps = _plan(block, num_blocks, chunk_blocks, pages_per_step)
-    heads = kv_heads_per_block(spec.num_kv_heads)
+    heads = kv_heads_per_block(spec.num_kv_heads, spec.kv_dtype.itemsize)
     return Geometry(block, num_blocks, per_step, chunk_steps, heads,
                     padded_rows(spec.group_size * spec.q_len, spec.dtype))
 
@@ -243,12 +245,13 @@ def _head(ref, h: int):
     return ref[...] if len(ref.shape) == 2 else ref[:, h, :]
 
 
-def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, heads, scale, softcap,
-                   precision):
-    lengths_ref, refs = refs[0], refs[2 if paged else 1:]
+def _decode_kernel(*refs, num_prefetch, k_scaled, q_len, left, block, per_step, chunk_steps, heads, scale,
+                   softcap, precision):
+    lengths_ref, ks_ref = refs[0], refs[num_prefetch - 1] if k_scaled else None
+    refs = refs[num_prefetch:]
     q_ref, k_refs, v_refs = refs[0], refs[1:1 + per_step], refs[1 + per_step:1 + 2 * per_step]
     o_ref, stats_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
-    b, c, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    b, hg, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     length = lengths_ref[b]
 
     @pl.when(i == 0)
@@ -264,10 +267,12 @@ def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, head
         keep = (key < length) & (key <= query)
         if left is not None:
             keep &= key >= query - left
-        dtype = v_ref.dtype
+        dtype = q_ref.dtype  # the compute dtype: a quantized cache's entries are cast to it (exactly)
         sees = jnp.where(keep, 1.0, 0.0).astype(dtype)  # [rows, block]
         for h in range(heads):
             q, k, v = q_ref[h], _head(k_ref, h), _head(v_ref, h)  # [rows, d], [block, d], [block, d]
+            if k.dtype != dtype:  # int8 / fp8 entries: every value is exact in bf16 and f32
+                k, v = k.astype(jnp.float32).astype(dtype), v.astype(jnp.float32).astype(dtype)
             # The contract's rule for non-finite values: they reach exactly the rows that see them.
             # A block's rows past the length, or outside a row's window, hold whatever the cache holds
             # (other data, NaN). A logit that is not finite (NaN or Inf in k) is NaN before the mask and
@@ -281,7 +286,7 @@ def _decode_kernel(*refs, paged, q_len, left, block, per_step, chunk_steps, head
                               preferred_element_type=jnp.float32)
             v = jnp.where(finite, v32, 0.0).astype(dtype)
             s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-            s = s * scale
+            s = s * (scale * ks_ref[hg * heads + h] if k_scaled else scale)  # a key is entry * k_scale
             s = apply_softcap(jnp.where(jnp.abs(s) < jnp.inf, s, jnp.nan), softcap)
             s = jnp.where(keep, s, -jnp.inf)
             m_prev, l_prev = m_ref[h], l_ref[h]
@@ -348,9 +353,14 @@ def resolve_interpret(interpret):
 
 
 def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Geometry,
-             interpret) -> list[softmax.Partial]:
+             interpret, *, k_scale=None, cache_rows=None) -> list[softmax.Partial]:
     """Run the kernel: one :class:`tpuattn.softmax.Partial` per split-K chunk (attention over the
-    chunk's keys; ``out [batch, q_len, heads, d]`` float32, ``m, log_l [batch, heads, q_len]``)."""
+    chunk's keys; ``out [batch, q_len, heads, d]`` float32, ``m, log_l [batch, heads, q_len]``).
+
+    ``k_scale`` (float32 ``[kv_heads]``, scalar-prefetched): logits of kv head ``h`` are multiplied by
+    ``k_scale[h]`` (keys ``entry * k_scale``; values' scales are the caller's, after the merge).
+    ``cache_rows`` (int32 ``[batch]``, a contiguous cache): the cache row of each of the kernel's
+    sequences (the ragged form's work items; default: the identity)."""
     b, tq, h, d = q.shape
     hk, g = spec.num_kv_heads, spec.group_size
     rows, hb = geo.rows, geo.heads_per_block
@@ -369,32 +379,31 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     # One K and one V BlockSpec per page of a step: spec j of step (c, i) holds block (c*cs + i)*n + j,
     # clamped into the sequence's useful range (kv_block) so that skipped slots ask for a block already
     # held and issue no DMA.
+    # Scalar-prefetched: lengths, then the flattened page table (paged) or the cache rows (a ragged
+    # batch over a contiguous cache), then the keys' scales.
+    prefetch = [lengths]
     if spec.paged:
-        def kv_map(j):
-            def index(bi, hg, c, i, lengths_ref, table_ref):
-                p = kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block)
-                return (table_ref[bi * pps + p], 0, 0) if one_head else (table_ref[bi * pps + p], 0, hg, 0)
-            return index
+        prefetch.append(page_table.reshape(-1))
+    elif cache_rows is not None:
+        prefetch.append(cache_rows)
+    if k_scale is not None:
+        prefetch.append(k_scale.astype(jnp.float32))
 
-        def fixed(bi, hg, c, i, lengths_ref, table_ref):
-            return bi, hg, 0, 0
+    def kv_map(j):
+        def index(bi, hg, c, i, lengths_ref, *refs):
+            p = kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block)
+            if spec.paged:
+                lead, p = refs[0][bi * pps + p], 0
+            else:
+                lead = refs[0][bi] if cache_rows is not None else bi
+            return (lead, p, 0) if one_head else (lead, p, hg, 0)
+        return index
 
-        def out_map(bi, hg, c, i, lengths_ref, table_ref):
-            return c, bi, hg, 0, 0
-        prefetch = (lengths, page_table.reshape(-1))
-    else:
-        def kv_map(j):
-            def index(bi, hg, c, i, lengths_ref):
-                p = kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block)
-                return (bi, p, 0) if one_head else (bi, p, hg, 0)
-            return index
+    def fixed(bi, hg, c, i, *refs):
+        return bi, hg, 0, 0
 
-        def fixed(bi, hg, c, i, lengths_ref):
-            return bi, hg, 0, 0
-
-        def out_map(bi, hg, c, i, lengths_ref):
-            return c, bi, hg, 0, 0
-        prefetch = (lengths,)
+    def out_map(bi, hg, c, i, *refs):
+        return c, bi, hg, 0, 0
 
     kv_block_shape = (None, block, d) if one_head else (None, block, hb, d)
     kv_specs = [pl.BlockSpec(kv_block_shape, kv_map(j)) for j in range(n)]
@@ -410,12 +419,14 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
                         pltpu.VMEM((hb, rows, d), jnp.float32)],  # output accumulator
     )
     kernel = functools.partial(
-        _decode_kernel, paged=spec.paged, q_len=tq, left=left, block=block, per_step=n, chunk_steps=cs,
+        _decode_kernel, num_prefetch=len(prefetch), k_scaled=k_scale is not None, q_len=tq, left=left,
+        block=block, per_step=n, chunk_steps=cs,
         heads=hb, scale=spec.scale, softcap=spec.softcap, precision=matmul_precision(q.dtype))
-    itemsize = jnp.dtype(q.dtype).itemsize
+    itemsize = jnp.dtype(k_cache.dtype).itemsize
     positions = b * geo.num_blocks * block  # every block of every sequence: the compiler's upper bound
     cost = pl.CostEstimate(flops=4 * hk * rows * positions * d, transcendentals=hk * rows * positions,
-                           bytes_accessed=itemsize * (qk.size + 2 * positions * hk * d)
+                           bytes_accessed=jnp.dtype(q.dtype).itemsize * qk.size
+                           + itemsize * 2 * positions * hk * d
                            + 4 * geo.num_chunks * b * hk * rows * (d + LANES))
     out_shape = [jax.ShapeDtypeStruct((geo.num_chunks, b, hk, rows, d), jnp.float32),
                  jax.ShapeDtypeStruct((geo.num_chunks, b, hk, rows, LANES), jnp.float32)]
@@ -436,31 +447,117 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     return [softmax.Partial(out[c], m[c], log_l[c]) for c in range(nc)]
 
 
-def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *, sinks=None, **options):
+def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *, sinks=None, cu_q_lens=None,
+                  num_seqs=None, k_scale=None, v_scale=None, **options):
     """The ``impl="pallas"`` entry point. Options: ``block_size`` (contiguous cache rows per block,
     default 512), ``pages_per_step`` (paged cache: pages per grid step, each its own BlockSpec; default
     128 rows' worth), ``chunk_blocks`` (blocks per split-K chunk, rounded up to whole steps; default
-    2048 positions' worth), ``interpret`` (None: compiled on TPU, interpret mode elsewhere)."""
+    2048 positions' worth), ``q_block`` (a ragged batch: queries per work item, default
+    :data:`DEFAULT_Q_BLOCK`), ``interpret`` (None: compiled on TPU, interpret mode elsewhere).
+
+    A quantized cache is read as it is stored (one byte an entry): the kernel casts each block's
+    entries to q's dtype (exact for int8 and fp8 e4m3) and multiplies the logits by ``k_scale``; the
+    values' ``v_scale`` multiplies the merged output (a value is ``entry * v_scale``, and attention is
+    linear in the values). A ragged batch runs as :func:`work_items`."""
     known_options("pallas", options, OPTIONS)
-    geo = geometry(spec, *(options.get(k) for k in ("block_size", "chunk_blocks", "pages_per_step")))
     interpret = resolve_interpret(options.get("interpret"))
-    run = functools.partial(partials, spec=spec, geo=geo, interpret=interpret)
-    chunks = first_order_only(run, FORWARD_ONLY)(q, k_cache, v_cache, lengths, page_table)
+    q_block = options.get("q_block")
+    if not spec.ragged:
+        if q_block is not None:
+            raise ValueError(f"q_block: queries per work item of a ragged batch (cu_q_lens); expected None "
+                             f"for a dense q, got {q_block!r}")
+        items, kernel_spec, rows = None, spec, None
+        qk, kl, table = q, lengths, page_table
+    else:
+        bq = DEFAULT_Q_BLOCK if q_block is None else positive_int("q_block", q_block)
+        bq = min(bq, q.shape[0])
+        items = work_items(cu_q_lens, lengths, q.shape[0], bq, spec.capacity)
+        kernel_spec = _item_spec(spec, items.seq.shape[0], bq)
+        qk = jnp.concatenate([q, jnp.zeros((1, *q.shape[1:]), q.dtype)])[items.rows]  # [W, bq, h, d]
+        kl = items.length
+        table = page_table[items.seq] if spec.paged else None
+        rows = None if spec.paged else items.seq
+    geo = geometry(kernel_spec, *(options.get(k) for k in ("block_size", "chunk_blocks", "pages_per_step")))
+    run = functools.partial(partials, spec=kernel_spec, geo=geo, interpret=interpret, k_scale=k_scale,
+                            cache_rows=rows)
+    chunks = first_order_only(run, FORWARD_ONLY)(qk, k_cache, v_cache, kl, table)
     if sinks is not None:  # the sinks are one more part of the split-K merge (tpuattn.sinks)
-        b, tq, _, d = q.shape
+        b, tq, _, d = qk.shape
         chunks = [*chunks, sink_partial(sinks, b, tq, d)]
-    return softmax.merge(*chunks).out.astype(q.dtype)
+    out = softmax.merge(*chunks).out
+    if v_scale is not None:  # [kv_heads] -> each query head of its group
+        out = out * jnp.repeat(v_scale.astype(jnp.float32), spec.group_size)[:, None]
+    if items is not None:
+        out = out[items.token_item, items.token_row]
+        out = jnp.where(items.token_live[:, None, None], out, 0.0)
+    return out.astype(q.dtype)
+
+
+DEFAULT_Q_BLOCK = 16  # queries per work item of a ragged batch
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItems:
+    """A ragged batch as ``W`` dense work items of ``bq`` queries (:func:`work_items`)."""
+
+    seq: jax.Array  # [W] the item's sequence
+    length: jax.Array  # [W] the item's length in the dense form (keys before its last query + 1)
+    rows: jax.Array  # [W, bq] the row of q each query slot reads (total_tokens: a zero row)
+    token_item: jax.Array  # [total_tokens] the item holding each row of q
+    token_row: jax.Array  # [total_tokens] its slot there
+    token_live: jax.Array  # [total_tokens] not padding
+
+
+def work_items(cu_q_lens, lengths, total: int, bq: int, capacity: int) -> WorkItems:
+    """Cut each sequence's queries into blocks of ``bq`` (its last block partial): the kernel's work.
+
+    There are at most ``W = total // bq + min(batch, total)`` blocks, a static bound (the kernel's
+    grid); the ones past the last are empty (length 0: nothing fetched, nothing computed). An item
+    holding the ``c`` queries ``qoff .. qoff + c - 1`` of sequence ``i`` puts them in its *last* ``c``
+    slots and is given the length ``lengths[i] - q_len[i] + qoff + c``: the dense form's rule (slot
+    ``t`` at position ``length - bq + t``, keys before ``length``) then places every query at its own
+    position and lets it see exactly its keys. Slots before them are padding (zero queries), their
+    results dropped. The items are scalar-prefetched through the dense kernel's ``lengths`` and page
+    table (the sequence's row of it), so each item fetches only the blocks its queries can see."""
+    batch = lengths.shape[0]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    n_items = (q_lens + (bq - 1)) // bq
+    ends = jnp.cumsum(n_items)
+    starts = ends - n_items
+    num = total // bq + min(batch, total)
+    w = jnp.arange(num)
+    seq = jnp.clip(jnp.searchsorted(ends, w, side="right"), 0, batch - 1).astype(jnp.int32)
+    valid = w < ends[-1]
+    qoff = (w - starts[seq]) * bq
+    count = jnp.where(valid, jnp.clip(q_lens[seq] - qoff, 0, bq), 0)
+    length = jnp.where(valid, jnp.clip(lengths[seq] - q_lens[seq] + qoff + count, 0, capacity), 0)
+    t = jnp.arange(bq)[None, :]
+    pad = (bq - count)[:, None]
+    rows = jnp.where(t >= pad, cu_q_lens[seq][:, None] + qoff[:, None] + t - pad, total)
+    # Back: each row of q, from its sequence and offset, to its item and slot.
+    token = jnp.arange(total)
+    tseq = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, batch - 1)
+    offset = token - cu_q_lens[tseq]
+    item = jnp.clip(starts[tseq] + offset // bq, 0, num - 1)
+    row = jnp.clip(bq - count[item] + offset % bq, 0, bq - 1)
+    return WorkItems(seq, length.astype(jnp.int32), rows, item, row, token < cu_q_lens[-1])
+
+
+def _item_spec(spec: DecodeSpec, num_items: int, bq: int) -> DecodeSpec:
+    """The dense spec of the work items: ``num_items`` sequences of ``bq`` queries over the same cache."""
+    attn = spec.attention
+    return decode_spec_from_shapes(
+        batch=num_items, q_len=bq, num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim, capacity=spec.capacity, page_size=spec.page_size, num_pages=spec.num_pages,
+        pages_per_sequence=spec.pages_per_sequence, dtype=attn.dtype, scale=attn.scale,
+        window=attn.window, softcap=attn.softcap, cache_dtype=spec.cache_dtype, scales=spec.scales)
 
 
 def pallas_supports(spec: DecodeSpec, backend: str | None = None) -> str | None:
-    if spec.ragged:
-        return "cu_q_lens: the split-K kernel does not take a ragged batch yet; use impl='reference'"
-    if spec.scales is not None:
-        return "k_scale, v_scale: the split-K kernel does not take scaled caches yet; use impl='reference'"
     return low_precision_matmul_refused(spec.attention, backend, "pallas")
 
 
 register("pallas", pallas_decode,
          description="split-K (flash-decoding) Pallas TPU kernel, scalar-prefetched lengths/page table",
          supports=pallas_supports, auto_rank=lambda spec, backend: 0.0 if backend == "tpu" else None,
-         interpreted_off_tpu=True, options=OPTIONS, takes_sinks=True)
+         interpreted_off_tpu=True, options=OPTIONS, takes_sinks=True, takes_ragged=True, takes_scales=True)
