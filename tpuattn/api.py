@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from tpuattn import sinks as attention_sinks
 from tpuattn.errors import UnavailableImplementation, UnsupportedInput
+from tpuattn.options import Options
 from tpuattn.registry import REGISTRY, Choice, Implementation, Subset, register
 from tpuattn.spec import AttentionSpec, make_spec, normalise_sinks
 
@@ -42,8 +43,8 @@ TAKES_SINKS = Subset("takes sinks (itself, or by returning partial results the s
 
 __all__ = ["RETURNS_PARTIALS", "TAKES_SINKS", "AttentionSpec", "Choice", "Implementation",
            "UnavailableImplementation", "UnsupportedInput", "attention", "choose", "choose_implementation",
-           "get_implementation", "implementations", "known_implementations", "make_spec", "register",
-           "resolve", "unavailable_implementations"]
+           "get_implementation", "implementations", "known_implementations", "make_spec", "options_of",
+           "register", "resolve", "unavailable_implementations"]
 
 
 def _load() -> dict[str, Implementation]:
@@ -69,6 +70,20 @@ def unavailable_implementations() -> dict[str, str]:
 def get_implementation(name: str) -> Implementation:
     """The registered record for ``name`` (importing its module on first use)."""
     return REGISTRY.get(name)
+
+
+def options_of(impl: str) -> dict[str, str]:
+    """``{option: what it is}`` for the implementation named ``impl`` (importing its module on first use):
+    the fields of its :mod:`tpuattn.options` record with their types and defaults, then the old
+    spellings it still reads, each with the field it is read into. ``{}``: it takes no options.
+
+    ``tpuattn.options_of("pallas")`` -> ``{"blocks": "Blocks | None = None", "backward": ...,
+    "interpret": ..., "block_q": "old spelling, read as blocks.block_q", ...}``.
+    """
+    declared = REGISTRY.get(impl).options
+    if isinstance(declared, type) and issubclass(declared, Options):
+        return declared.describe()
+    return {name: "declared by name" for name in declared}
 
 
 def choose(spec: AttentionSpec, backend: str | None = None, *, subset: Subset | None = None) -> Choice:

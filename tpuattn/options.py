@@ -81,7 +81,8 @@ class Blocks:
 
     def set(self) -> dict[str, int]:
         """The sizes given (not ``None``), by field name."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: value for name, value in given.items() if value is not None}
 
 
 def as_blocks(name: str, value) -> Blocks | None:
@@ -147,7 +148,8 @@ def _check_interpret(interpret, impl: str, simulate: bool) -> None:
         return
     if simulate and type(interpret).__name__ == "InterpretParams":
         return
-    allowed = "None, True, False, 'simulate' or a pltpu.InterpretParams" if simulate else "None, True or False"
+    allowed = ("None, True, False, 'simulate' or a pltpu.InterpretParams" if simulate
+               else "None, True or False")
     raise TpuattnError(f"interpret: expected {allowed} for impl='{impl}', got {interpret!r}")
 
 
@@ -217,7 +219,7 @@ class Options(metaclass=_Declared):
         unknown = sorted(set(options) - set(cls.names()))
         if unknown:
             raise TpuattnError(f"{cls.IMPL}: unknown option(s) {unknown}; expected a subset of "
-                               f"{sorted(cls.names())} (tpuattn.options_of({cls.IMPL!r}))")
+                               f"{sorted(cls.names())}")
         given = {name: options.pop(name) for name in cls.fields() if name in options}
         cls._read_aliases(given, options)
         return cls(**given)
@@ -247,7 +249,7 @@ class Options(metaclass=_Declared):
     def _blocks(self, tiles: Mapping[str, tuple[int, str]] | None) -> None:
         """``blocks`` as :class:`Blocks`; each size a multiple of its tile (``{field: (multiple, why)}``),
         a field absent from ``tiles`` refused (``tiles`` None: every field taken, any size)."""
-        blocks = as_blocks("blocks", getattr(self, "blocks"))
+        blocks = as_blocks("blocks", self.blocks)
         object.__setattr__(self, "blocks", blocks)
         if blocks is None or tiles is None:
             return

@@ -28,6 +28,7 @@ import jax
 
 from tpuattn import chips
 from tpuattn.errors import TpuattnError, UnavailableImplementation, UnsupportedInput
+from tpuattn.options import Options, option_names
 from tpuattn.spec import AttentionSpec
 
 BACKENDS = ("cpu", "gpu", "tpu")
@@ -129,7 +130,9 @@ class Implementation:
         ``None`` when not modelled.
       default_blocks: ``default_blocks(spec, chip) -> (block_q, block_kv)``: the blocks it runs by
         default on ``chip`` (a chip name; ``None``: the target chip, or this machine), for the model.
-      options: the option names ``fn`` accepts.
+      options: the :class:`tpuattn.options.Options` record type ``fn`` reads its options through
+        (``PallasOptions``, ...; it reads as the tuple of names it takes); a plain tuple of names from
+        a registration of your own.
       model: a :class:`ScheduleModel`: parameters of its schedule's model, read by
         :mod:`tpuattn.model.roofline` (what the compiler showed this implementation does).
       partial: the :class:`PartialOps` that attend one block of a larger problem, or ``None``.
@@ -151,7 +154,7 @@ class Implementation:
     interpreted_off_tpu: bool = False
     schedule: str | None = None
     default_blocks: Callable[[AttentionSpec, str | None], tuple[int, int]] | None = None
-    options: tuple[str, ...] = ()
+    options: type[Options] | tuple[str, ...] = ()
     model: ScheduleModel = dataclasses.field(default_factory=ScheduleModel)
     partial: PartialOps | None = None
     takes_sinks: bool = False
@@ -200,9 +203,11 @@ class Choice:
     backend: str
     reason: str
     refused: tuple[tuple[str, str], ...]  # (implementation, why it was not picked)
+    options: tuple[str, ...] = ()  # the options the chosen implementation takes (tpuattn.options_of)
 
     def __str__(self) -> str:
-        return f"{self.impl} on {self.backend}: {self.reason}"
+        takes = f"; its options: {', '.join(self.options)}" if self.options else "; it takes no options"
+        return f"{self.impl} on {self.backend}: {self.reason}{takes}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,7 +407,8 @@ class Registry(Generic[R]):
             reason += f", priority {priority} breaking the tie"
         if rest:
             reason += "; then " + ", ".join(f"{n} ({r:g})" for r, _, n in rest)
-        return Choice(impl=name, backend=backend, reason=reason, refused=tuple(refused))
+        return Choice(impl=name, backend=backend, reason=reason, refused=tuple(refused),
+                      options=option_names(getattr(self.get(name), "options", ())))
 
     def resolve(self, impl: str, spec, backend: str | None = None, *, subset: Subset | None = None,
                 options=()) -> R:
@@ -445,12 +451,12 @@ class Registry(Generic[R]):
         tuning it passes. A knob the choice does not have is an error that says what was chosen,
         which implementations have the knob, and how to ask for one of them by name.
         """
-        own = sorted(getattr(self.get(choice.impl), "options", ()))
+        own = sorted(option_names(getattr(self.get(choice.impl), "options", ())))
         unknown = sorted(set(options) - set(own))
         if not unknown:
             return
         takers = [name for name in self.available(subset)
-                  if set(unknown) <= set(getattr(self.get(name), "options", ()))]
+                  if set(unknown) <= set(option_names(getattr(self.get(name), "options", ())))]
         it = "it" if len(unknown) == 1 else "them"
         if not takers:
             where = f"no available {self.noun} takes {it if len(unknown) == 1 else 'them all'}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tpuattn import chips
-from tpuattn.errors import UnsupportedInput
+from tpuattn.options import resolve_interpret
 
 
 def long_enough_for_flash(spec) -> bool:
@@ -34,11 +34,8 @@ def compiling_off_tpu_refused(interpret, impl: str) -> None:
 
     Pallas compiles these kernels for a TPU only; elsewhere its own message is a bare "Only interpret
     mode is supported on CPU backend". Inside :func:`tpuattn.chips.target` the target is a TPU, and
-    an ahead-of-time compile for it is what ``interpret=False`` asks for.
+    an ahead-of-time compile for it is what ``interpret=False`` asks for. The rule and its message are
+    :func:`tpuattn.options.resolve_interpret`'s, the one way ``interpret`` is read.
     """
-    backend = chips.target_backend()
-    if interpret is False and backend != "tpu":
-        raise UnsupportedInput(
-            f"interpret: expected True or None (interpret mode) for impl='{impl}' on backend "
-            f"{backend!r}: False compiles the Pallas kernel for a TPU, which this target is not (compile "
-            f"for one inside tpuattn.chips.target(...)); got False")
+    if isinstance(interpret, bool):
+        resolve_interpret(interpret, impl)

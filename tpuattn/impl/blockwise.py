@@ -59,13 +59,14 @@ import numpy as np
 from jax import lax
 
 from tpuattn import softmax
-from tpuattn._checks import known_options, positive_int
+from tpuattn._checks import positive_int
 from tpuattn.numerics import matmul, pad_to_multiple
+from tpuattn.options import BlockwiseOptions
 from tpuattn.registry import PartialOps, register
 from tpuattn.sharding import mark_varying, varying_axes
 from tpuattn.spec import EMPTY, FULL, MaskSpec
 
-OPTIONS = ("block_q", "block_kv")
+OPTIONS = BlockwiseOptions  # blocks= (forward tiles; the backward walks them), old block_q=, block_kv=
 
 # Default block size (see default_blocks).
 DEFAULT_BLOCK = 512
@@ -393,11 +394,12 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # ----------------------------------------------------------------------------- the contract
 def resolve_blocks(spec, options) -> tuple[int, int]:
-    """Validate the options and return the ``(block_q, block_kv)`` actually used (clipped to lengths)."""
-    known_options("blockwise", options, OPTIONS)
+    """Validate the options (:class:`~tpuattn.options.BlockwiseOptions`) and return the
+    ``(block_q, block_kv)`` actually used (clipped to lengths)."""
+    blocks = BlockwiseOptions.parse(options).blocks
     default_q, default_kv = default_blocks(spec.q_len, spec.kv_len)
-    block_q = positive_int("block_q", options["block_q"]) if "block_q" in options else default_q
-    block_kv = positive_int("block_kv", options["block_kv"]) if "block_kv" in options else default_kv
+    block_q = default_q if blocks is None or blocks.block_q is None else blocks.block_q
+    block_kv = default_kv if blocks is None or blocks.block_kv is None else blocks.block_kv
     return min(block_q, spec.q_len), min(block_kv, spec.kv_len)
 
 
@@ -429,9 +431,10 @@ def _from_rows_layout(q, x):
 def blockwise_attention(q, k, v, segment_ids, spec, **options):
     """Online-softmax attention behind the contract (see the module docstring).
 
-    Options:
-      block_q: query rows per block (default: :func:`default_blocks`).
-      block_kv: keys per block (default: :func:`default_blocks`).
+    Options (:class:`~tpuattn.options.BlockwiseOptions`):
+      blocks: a :class:`~tpuattn.options.Blocks`: ``block_q`` query rows and ``block_kv`` keys per
+        block (default: :func:`default_blocks`); the backward walks the same tiles. The old spelling
+        ``block_q=``, ``block_kv=`` is read as ``blocks=Blocks(block_q=..., block_kv=...)``.
 
     A block larger than its sequence is clipped to the sequence length.
     """

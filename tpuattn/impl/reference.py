@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from tpuattn import softmax
-from tpuattn._checks import known_options
 from tpuattn.numerics import apply_softcap, matmul
+from tpuattn.options import ReferenceOptions
 from tpuattn.registry import PartialOps, register
 
 
@@ -32,7 +32,7 @@ def visibility(segment_ids, spec):
 
 def reference_attention(q, k, v, segment_ids, spec, **options):
     """Softmax over the full score matrix; rows that see no key return zeros."""
-    known_options("reference", options, ())
+    ReferenceOptions.parse(options)
     s = scores(q, k, spec)
     keep = visibility(segment_ids, spec)
     s = jnp.where(keep, s, -jnp.inf)
@@ -68,7 +68,7 @@ def _block_probabilities(q, k, segment_ids, spec, m, log_l):
 
 def _partial_forward(q, k, v, segment_ids, spec, **options):
     """This block's :class:`tpuattn.softmax.Partial` (a row that sees nothing: ``m = -inf``, zeros)."""
-    known_options("reference", options, ())
+    ReferenceOptions.parse(options)
     b, tq, hq, _ = q.shape
     s = jnp.where(visibility(segment_ids, spec), scores(q, k, spec), -jnp.inf)
     m = jnp.max(s, axis=-1)
@@ -82,7 +82,7 @@ def _partial_forward(q, k, v, segment_ids, spec, **options):
 
 
 def _partial_row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options):
-    known_options("reference", options, ())
+    ReferenceOptions.parse(options)
     p, _ = _block_probabilities(q, k, segment_ids, spec, m, log_l)
     b, tq, hq, d = q.shape
     dp = matmul("bqhgd,bkhd->bhgqk", d_out.reshape(b, tq, spec.num_kv_heads, spec.group_size, d), v)
@@ -90,7 +90,7 @@ def _partial_row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **options):
 
 
 def _partial_backward(q, k, v, segment_ids, spec, m, log_l, d_out, delta, **options):
-    known_options("reference", options, ())
+    ReferenceOptions.parse(options)
     p, slope = _block_probabilities(q, k, segment_ids, spec, m, log_l)
     b, tq, hq, d = q.shape
     group = lambda x: x.reshape(b, tq, spec.num_kv_heads, spec.group_size, d)
@@ -109,4 +109,4 @@ register("reference", reference_attention, partial=PartialOps(_partial_forward, 
                                                               _partial_backward),
          description="materialised softmax over the full score matrix (the baseline)",
          # The last resort of impl="auto": it supports everything, at quadratic memory.
-         auto_rank=lambda spec, backend: 9.0, schedule="materialised")
+         auto_rank=lambda spec, backend: 9.0, schedule="materialised", options=ReferenceOptions)

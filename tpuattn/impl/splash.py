@@ -21,15 +21,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from tpuattn import chips
-from tpuattn._checks import known_options, positive_int, round_up
+from tpuattn._checks import round_up
 from tpuattn.numerics import first_order_only, x64
+from tpuattn.options import SplashOptions, resolve_interpret
 from tpuattn.registry import ScheduleModel, register
 from tpuattn.sharding import mark_varying, varying_axes, vma_checks_off
-from tpuattn.supports import compiling_off_tpu_refused, long_enough_for_flash, low_precision_matmul_refused
+from tpuattn.supports import long_enough_for_flash, low_precision_matmul_refused
 
 # ---------------------------------------------------------------------------- impl="splash"
-SPLASH_OPTIONS = ("block_q", "block_kv", "interpret")
+SPLASH_OPTIONS = SplashOptions  # blocks= (forward and backward tiles), interpret=; old block_q=, block_kv=
 # 512 x 512 tiles: big enough to keep the MXU busy on a TPU and to make few interpret steps on
 # CPU; capped at the (128-rounded) sequence length so short inputs are not padded far.
 DEFAULT_SPLASH_BLOCK = 512
@@ -50,7 +50,7 @@ def _splash_module():
 
 @functools.lru_cache(maxsize=64)
 def _splash_kernel(q_len_padded, kv_len_padded, num_q_heads, mqa, positional, block_q, block_kv, softcap,
-                   interpret):
+                   interpret, backward_block_q=None, backward_block_kv=None):
     """Build (and cache: it inspects every tile on the host) a splash kernel for one problem."""
     sa = _splash_module()
     shape = (q_len_padded, kv_len_padded)
@@ -61,9 +61,10 @@ def _splash_kernel(q_len_padded, kv_len_padded, num_q_heads, mqa, positional, bl
         head_mask = sa.CausalMask(shape, offset=offset)
     else:
         head_mask = sa.LocalMask(shape, window_size=window, offset=offset)
+    bq, bkv = backward_block_q or block_q, backward_block_kv or block_kv
     blocks = sa.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
-                           block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
-                           block_q_dq=block_q, block_kv_dq=block_kv)
+                           block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
+                           block_q_dq=bq, block_kv_dq=bkv)
     make = sa.make_splash_mqa if mqa else sa.make_splash_mha
     # The kernel holds the tile tables as arrays. Build them as concrete arrays whatever trace is
     # current, or the cached kernel would carry that trace's tracers into every later call.
@@ -118,20 +119,15 @@ def splash_attention(q, k, v, segment_ids, spec, *, sinks=None, **options):
     ``p_sink * o * dO``: within about 1e-4 of the sum of the terms' magnitudes, and the terms cancel,
     so the gradient itself can be off by a few per cent (measured: 128 tokens, up to 5%); the
     implementations with partial results (``pallas``, ``blockwise``) sum it in float32."""
-    known_options("splash", options, SPLASH_OPTIONS)
-    block_q = positive_int("block_q", options.get("block_q", DEFAULT_SPLASH_BLOCK), multiple_of=SPLASH_LANES)
-    block_kv = positive_int("block_kv", options.get("block_kv", DEFAULT_SPLASH_BLOCK),
-                            multiple_of=SPLASH_LANES)
-    interpret = options.get("interpret", chips.target_backend() != "tpu")
-    if not isinstance(interpret, bool):
-        raise ValueError(f"interpret: expected a bool, got {interpret!r}")
-    compiling_off_tpu_refused(interpret, "splash")
+    chosen = SplashOptions.parse(options)
+    interpret = resolve_interpret(chosen.interpret, "splash")
     sa = _splash_module()
 
     b, q_len, kv_len = spec.batch, spec.q_len, spec.kv_len
-    block_q = min(block_q, round_up(q_len, SPLASH_LANES))
-    block_kv = min(block_kv, round_up(kv_len, SPLASH_LANES))
-    q_pad, kv_pad = round_up(q_len, block_q), round_up(kv_len, block_kv)
+    block_q, block_kv, backward_q, backward_kv = _blocks(chosen.blocks, q_len, kv_len)
+    # Padded to both passes' blocks (multiples of 128: the larger where one divides the other).
+    q_pad = round_up(q_len, math.lcm(block_q, backward_q))
+    kv_pad = round_up(kv_len, math.lcm(block_kv, backward_kv))
 
     # Splash does not scale: fold the scale into q (in float32, then back to q's dtype).
     q = (q.astype(jnp.float32) * spec.scale).astype(q.dtype)
@@ -161,7 +157,7 @@ def splash_attention(q, k, v, segment_ids, spec, *, sinks=None, **options):
         segments = None
 
     kernel = _splash_kernel(q_pad, kv_pad, spec.num_q_heads, mqa, _positional(spec), block_q, block_kv,
-                            spec.softcap, interpret)
+                            spec.softcap, interpret, backward_q, backward_kv)
     # Always pass a sink: besides the contract's empty rows, padded query rows may see nothing,
     # and without it their NaN output (0/0) would leak into dk and dv through the backward pass. The
     # caller's sinks take its place (a sink of -inf, "none", stays at the harmless -1e30).
@@ -270,6 +266,18 @@ def _splash_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _blocks(blocks, q_len: int, kv_len: int) -> tuple[int, int, int, int]:
+    """The forward's and the backward's ``(block_q, block_kv)`` a call runs: the given
+    :class:`~tpuattn.options.Blocks` (the backward's default: the forward's), else 512, each capped at
+    its 128-rounded length."""
+    given = {} if blocks is None else blocks.set()
+    block_q = min(given.get("block_q", DEFAULT_SPLASH_BLOCK), round_up(q_len, SPLASH_LANES))
+    block_kv = min(given.get("block_kv", DEFAULT_SPLASH_BLOCK), round_up(kv_len, SPLASH_LANES))
+    backward_q = min(given.get("backward_block_q", block_q), round_up(q_len, SPLASH_LANES))
+    backward_kv = min(given.get("backward_block_kv", block_kv), round_up(kv_len, SPLASH_LANES))
+    return block_q, block_kv, backward_q, backward_kv
 
 
 def default_blocks(spec, chip=None) -> tuple[int, int]:

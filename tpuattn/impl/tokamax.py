@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from tpuattn import chips
-from tpuattn._checks import known_options
 from tpuattn.numerics import boolean_mask, zero_rows_without_keys
+from tpuattn.options import TOKAMAX_IMPLEMENTATIONS, TokamaxOptions
 from tpuattn.registry import register
 
 MIN_JAX = (0, 9, 2)
@@ -54,8 +54,7 @@ try:
 except ImportError as error:
     raise ImportError("tokamax is not installed: pip install tokamax (JAX 0.9.2 or newer)") from error
 
-TOKAMAX_OPTIONS = ("implementation",)
-IMPLEMENTATIONS = ("mosaic", "xla", "xla_chunked")
+IMPLEMENTATIONS = TOKAMAX_IMPLEMENTATIONS
 _BEFORE_V5 = ("v2", "v3", "v4")
 MOSAIC_BLOCK = 128  # tokamax's TPU kernel's default block (its q_block_size / kv_block_size)
 
@@ -142,11 +141,7 @@ def _cross_compiled(call, device, q, k, v, mask):
 
 def tokamax_attention(q, k, v, segment_ids, spec, **options):
     """``tokamax.dot_product_attention`` with the contract's masks translated."""
-    known_options("tokamax", options, TOKAMAX_OPTIONS)
-    implementation = options.get("implementation")
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation: expected None or one of {list(IMPLEMENTATIONS)}, got "
-                         f"{implementation!r}")
+    implementation = TokamaxOptions.parse(options).implementation
     on_tpu = chips.target_backend() == "tpu"
     if implementation is None:
         implementation = "mosaic" if on_tpu else "xla"
@@ -191,6 +186,6 @@ def tokamax_supports(spec, backend: str | None = None) -> str | None:
     return None
 
 
-register("tokamax", tokamax_attention, supports=tokamax_supports, options=TOKAMAX_OPTIONS,
+register("tokamax", tokamax_attention, supports=tokamax_supports, options=TokamaxOptions,
          description="tokamax.dot_product_attention (Google's kernel library: 'mosaic' on a TPU, 'xla' "
                      "elsewhere); offered by name, never chosen by auto")

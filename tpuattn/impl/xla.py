@@ -18,17 +18,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tpuattn._checks import known_options
 from tpuattn.numerics import boolean_mask, zero_rows_without_keys
+from tpuattn.options import XlaOptions
 from tpuattn.registry import ScheduleModel, register
 from tpuattn.supports import long_enough_for_flash
 
+
 # ---------------------------------------------------------------------------- impl="xla"
-# Options: ``implementation`` is passed to jax.nn.dot_product_attention (None = cuDNN on a GPU
-# when the case allows it, XLA otherwise).
-XLA_OPTIONS = ("implementation",)
-
-
 def _cudnn_compatible(spec) -> bool:
     """Cases cuDNN's fused kernel takes through jax.nn without an explicit mask."""
     if jnp.dtype(spec.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -47,10 +43,7 @@ def _cudnn_compatible(spec) -> bool:
 
 def xla_attention(q, k, v, segment_ids, spec, **options):
     """``jax.nn.dot_product_attention`` with the contract's masks translated."""
-    known_options("xla", options, XLA_OPTIONS)
-    implementation = options.get("implementation")
-    if implementation not in (None, "xla", "cudnn"):
-        raise ValueError(f"implementation: expected None, 'xla' or 'cudnn', got {implementation!r}")
+    implementation = XlaOptions.parse(options).implementation
     if implementation == "cudnn" and not _cudnn_compatible(spec):
         raise ValueError("implementation: 'cudnn' needs bfloat16/float16, head_dim <= 128 (multiple of 8), "
                          "no segment ids and at most a square causal mask with a left window")
@@ -117,5 +110,5 @@ def xla_auto_rank(spec, backend: str) -> float:
 LIVE_SCORES = {"fwd": lambda p: 8 if p < 4 else 4, "fwd+bwd": lambda p: 8}
 
 register("xla", xla_attention, supports=xla_supports, auto_rank=xla_auto_rank, schedule="materialised",
-         options=XLA_OPTIONS, model=ScheduleModel(live_scores=LIVE_SCORES),
+         options=XlaOptions, model=ScheduleModel(live_scores=LIVE_SCORES),
          description="jax.nn.dot_product_attention (XLA; cuDNN on a GPU when the case allows)")

@@ -3,20 +3,23 @@
 Use it through the contract::
 
     tpuattn.attention(q, k, v, causal=True, impl="pallas",
-                      block_sizes=BlockSizes.uniform(128),   # optional
-                      interpret=None,                         # optional
-                      backward="exact")                       # optional
+                      blocks=Blocks(block_q=256, block_kv=512),  # optional
+                      interpret=None,                            # optional
+                      backward="exact")                          # optional
 
-Options:
+Options (the record :class:`tpuattn.options.PallasOptions`, validated before anything is traced):
   backward: ``"exact"`` (default; ``None`` means it) computes the backward's per-row ``delta`` as
     ``rowsum(P * dP)`` in a pass of its own (9 matmuls per visible tile in all); ``"fast"`` as
     ``rowsum(dO * O)`` from the forward's float32 output, outside the kernels (7 matmuls). See
     ``backward.py`` for the accuracy each buys. Blocks of a larger problem (ring, sinks) always use
     the exact row sums.
-  block_sizes: ``None`` (defaults from the chip's VMEM, :func:`default_block_sizes`), an int
-    (a multiple of 128, every pass), a :class:`ForwardBlocks` (forward; backward defaults) or a
-    :class:`BlockSizes` (``forward=ForwardBlocks(block_q, block_kv)``,
-    ``backward=BackwardBlocks(block_q, block_kv)``). Blocks are clamped to the padded sequence.
+  blocks: ``None`` (defaults from the chip, :func:`default_block_sizes`), a
+    :class:`tpuattn.options.Blocks` (the forward's ``block_q`` a multiple of 8 and ``block_kv`` of
+    128, the backward's ``backward_block_q`` and ``backward_block_kv`` multiples of 128; a size left
+    ``None`` takes its default) or an int (a multiple of 128, every extent). Blocks are clamped to
+    the padded sequence. The old spellings are read into it: ``block_q=`` / ``block_kv=`` as the
+    forward's, ``block_sizes=`` (an int, a :class:`BlockSizes` or a :class:`ForwardBlocks`) as the
+    same sizes.
   interpret: ``None`` compiles on a TPU and uses Pallas interpret mode elsewhere; ``True`` /
     ``False`` force it; ``"simulate"`` runs the TPU simulator with race detection (read the
     verdict with :func:`races_found`); a ``pltpu.InterpretParams`` is used as given.

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tpuattn import chips
 from tpuattn._checks import is_int, positive_int, round_up
+from tpuattn.options import Blocks, scoped_vmem_limit
 from tpuattn.pallas.layout import LANES, STAT_ROWS, SUBLANES, Layout, padded_head_dim
 
 
@@ -95,11 +96,21 @@ class BlockSizes:
 
 
 def as_block_sizes(value, head_dim: int, dtype, pack: int = 1, chip=None) -> BlockSizes:
-    """Normalise the ``block_sizes`` option: None (defaults), an int, a BlockSizes or ForwardBlocks.
+    """Normalise the ``blocks`` option: None (defaults), a :class:`tpuattn.options.Blocks` (a size left
+    None takes its default), an int, a BlockSizes or ForwardBlocks.
     ``pack``: query heads of a kv head pair's tile a step serves at least (2 with paired heads),
     ``chip``: as in :func:`default_block_sizes`."""
     if value is None:
         return default_block_sizes(head_dim, dtype, chip=chip, pack=pack)
+    if isinstance(value, Blocks):
+        given = value.set()
+        if len(given) < 4:
+            defaults = default_block_sizes(head_dim, dtype, chip=chip, pack=pack)
+            given = dict(block_q=defaults.forward.block_q, block_kv=defaults.forward.block_kv,
+                         backward_block_q=defaults.backward.block_q,
+                         backward_block_kv=defaults.backward.block_kv) | given
+        return BlockSizes(ForwardBlocks(given["block_q"], given["block_kv"]),
+                          BackwardBlocks(given["backward_block_q"], given["backward_block_kv"]))
     if isinstance(value, BlockSizes):
         return value
     if isinstance(value, ForwardBlocks):
@@ -202,13 +213,11 @@ def fit_q_heads(group_size: int, need, chip=None, multiple_of: int = 1) -> int:
 
 
 def vmem_limit_bytes(need: int, q_heads: int, chip=None) -> int | None:
-    """``vmem_limit_bytes`` of a head-block kernel: None (the compiler's default scoped limit,
-    ``Chip.kernel_vmem_bytes``) for one head per step, off a chip, or while the modelled ``need`` with
-    :data:`VMEM_MARGIN` fits the default; else that, rounded up to a MiB, at most the chip's VMEM."""
-    want = int(need * VMEM_MARGIN)
-    if q_heads == 1 or chip is None or want <= chip.kernel_vmem_bytes:
-        return None
-    return min(round_up(want, 1 << 20), chip.vmem_bytes)
+    """``vmem_limit_bytes`` of a head-block kernel: None (the compiler's default scoped limit) for one
+    head per step, else the package's one rule (:func:`tpuattn.options.scoped_vmem_limit`) with
+    :data:`VMEM_MARGIN`: None off a chip or while the margined ``need`` fits the default; else that,
+    rounded up to a MiB, at most the chip's VMEM."""
+    return None if q_heads == 1 else scoped_vmem_limit(need, VMEM_MARGIN, chip)
 
 
 def vmem_budget_bytes(capacity: int) -> int:

@@ -8,21 +8,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
 
-from tpuattn import chips, softmax
-from tpuattn._checks import known_options
+from tpuattn import options as typed_options
+from tpuattn import softmax
 from tpuattn.numerics import first_order_only
+from tpuattn.options import PALLAS_BACKWARDS, PallasOptions
 from tpuattn.pallas.backward import backward, row_sums
 from tpuattn.pallas.blocks import BlockSizes, blocks_for_spec
 from tpuattn.pallas.forward import forward
 from tpuattn.registry import PartialOps
 from tpuattn.sharding import mark_varying, varying_axes
 from tpuattn.spec import AttentionSpec
-from tpuattn.supports import compiling_off_tpu_refused
 
-OPTIONS = ("backward", "block_sizes", "interpret")
-BACKWARDS = ("exact", "fast")
+OPTIONS = PallasOptions  # blocks=, backward=, interpret=; old block_q=, block_kv=, block_sizes=
+BACKWARDS = PALLAS_BACKWARDS
 """The ``backward`` option: where the backward's ``delta`` (one float per query row) comes from.
 
 * ``"exact"`` (default): ``rowsum(P * dP)`` from a pass of its own over the visible tiles (two
@@ -45,7 +44,8 @@ def resolve_backward(backward) -> str:
 
 
 def resolve_interpret(interpret) -> Any:
-    """The ``interpret`` option -> the value handed to ``pallas_call``.
+    """The ``interpret`` option -> the value handed to ``pallas_call`` (the package's one rule,
+    :func:`tpuattn.options.resolve_interpret`, with the simulator's values):
 
     * ``None`` (default): compiled for a TPU (the local one, or the chip of ``tpuattn.chips.target``),
       Pallas interpret mode (``True``) anywhere else;
@@ -54,18 +54,7 @@ def resolve_interpret(interpret) -> Any:
       read the verdict with :func:`tpuattn.pallas.races_found`;
     * a ``pltpu.InterpretParams`` instance: used as given.
     """
-    if interpret is None:
-        return chips.target_backend() != "tpu"
-    if isinstance(interpret, bool):
-        compiling_off_tpu_refused(interpret, "pallas")
-        return interpret
-    if interpret == "simulate":
-        return pltpu.InterpretParams(detect_races=True)
-    if isinstance(interpret, pltpu.InterpretParams):
-        return interpret
-    raise ValueError(
-        f"interpret: expected None, True, False, 'simulate' or a pltpu.InterpretParams, got {interpret!r}"
-    )
+    return typed_options.resolve_interpret(interpret, "pallas", simulate=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,11 +109,12 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def pallas_attention(q, k, v, segment_ids, spec, **options):
-    """The ``impl="pallas"`` entry point (see :mod:`tpuattn.pallas` for the options)."""
-    known_options("pallas", options, OPTIONS)
-    blocks = blocks_for_spec(options.get("block_sizes"), spec)
-    interpret = resolve_interpret(options.get("interpret"))
-    which = resolve_backward(options.get("backward"))
+    """The ``impl="pallas"`` entry point (see :mod:`tpuattn.pallas` for the options,
+    :class:`tpuattn.options.PallasOptions` for their record)."""
+    chosen = PallasOptions.parse(options)
+    blocks = blocks_for_spec(chosen.blocks, spec)
+    interpret = resolve_interpret(chosen.interpret)
+    which = resolve_backward(chosen.backward)
     # Inside a shard_map every operand is typed varying over the same mesh axes, so that the
     # kernels' outputs can be typed like any one of them (compat.out_struct).
     axes = varying_axes(q, k, v, *(segment_ids or ()))
@@ -141,10 +131,9 @@ def _block_call(q, k, v, segment_ids, spec, options, *rows):
     ``backward`` is validated and otherwise unused: a block of a larger problem (the ring, sinks)
     gets its delta from :func:`partial_row_sums`, always ``rowsum(P * dP)``, since only the caller
     holds the whole row's output."""
-    known_options("pallas", options, OPTIONS)
-    resolve_backward(options.get("backward"))
-    blocks = blocks_for_spec(options.get("block_sizes"), spec)
-    interpret = resolve_interpret(options.get("interpret"))
+    chosen = PallasOptions.parse(options)
+    blocks = blocks_for_spec(chosen.blocks, spec)
+    interpret = resolve_interpret(chosen.interpret)
     arrays = (q, k, v, *(segment_ids or ()), *rows)
     axes = varying_axes(*arrays)
     arrays = [mark_varying(x, axes) for x in arrays]

@@ -35,6 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from tpuattn import api, chips
 from tpuattn import sinks as attention_sinks
+from tpuattn.errors import TpuattnError
+from tpuattn.options import Options
 from tpuattn.parallel.ring import allgather_local, ring_local, work_per_step
 from tpuattn.parallel.schedule import LAYOUTS, RingPlan, allgather_plan, chunks_per_device, ring_plan
 from tpuattn.parallel.zigzag import from_zigzag, to_zigzag, zigzag_order
@@ -78,11 +80,28 @@ def _local_impl(impl: str, spec, backend: str, options=()):
     return api.resolve(impl, spec, backend, subset=api.RETURNS_PARTIALS, options=options)
 
 
+def _local_options(record, options: dict) -> dict:
+    """The options the local kernel declares, read through its record type
+    (:class:`tpuattn.options.Options`) before anything is traced: a name it does not take, or a value
+    it would refuse, is refused here by name; what goes on is the record's own spelling (old
+    spellings mapped: ``block_q=`` reaches ``pallas`` as ``blocks=Blocks(block_q=...)``)."""
+    declared = record.options
+    if isinstance(declared, type) and issubclass(declared, Options):
+        return declared.parse(options).kwargs()
+    unknown = sorted(set(options) - set(declared))
+    if unknown:
+        raise TpuattnError(f"{record.name}: unknown option(s) {unknown}; expected a subset of "
+                           f"{sorted(declared)}")
+    return dict(options)
+
+
 def attention(q, k, v, *, mesh, seq_axis=None, head_axis=None, batch_axis=None, strategy="ring",
               layout="natural", impl="auto", causal=False, scale=None, segment_ids=None, window=None,
               softcap=None, sinks=None, **options):
     """Attention of the global arrays ``q [B, Tq, H, D]``, ``k, v [B, Tk, Hk, D]`` sharded over
-    ``mesh`` (see the module docstring). ``options`` go to the local kernel (e.g. ``block_q``).
+    ``mesh`` (see the module docstring). ``options`` go to the local kernel, only those it declares
+    (:func:`tpuattn.options_of`; e.g. ``blocks=Blocks(block_q=256)`` for ``blockwise`` or ``pallas``),
+    each checked before anything is traced.
 
     Requirements (each refused with a message naming the argument): the batch divisible by the
     batch axis' size; ``H`` and ``Hk`` by the head axis' size; ``Tq`` and ``Tk`` by the sequence
@@ -115,6 +134,7 @@ def attention(q, k, v, *, mesh, seq_axis=None, head_axis=None, batch_axis=None, 
 
     backend = chips.target_backend()
     record = _local_impl(impl, spec, backend, options)
+    options = _local_options(record, options)
     # Every local kernel returns partial results, so each takes sinks (tpuattn.sinks) as the contract does.
     attend = record.fn if sinks is None else functools.partial(attention_sinks.attention, record.partial)
     shares = dict(batch=spec.batch // nb, num_q_heads=spec.num_q_heads // nh,
