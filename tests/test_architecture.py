@@ -224,9 +224,89 @@ def test_the_layer_rules_catch_upward_and_sibling_edges():
 
 
 def test_every_module_has_a_layer():
-    # The package root and the kept paths (aliases of modules below).
+    # The package root and the command-line entries (aliases of modules below).
     kept_paths = {"tpuattn", *ALIASES}
     assert [name for name in _graph() if _place(name, LAYERS) is None and name not in kept_paths] == []
+
+
+# The two halves ARCHITECTURE.md draws: the contract and its kernels (`lesson`, notebook 03's kernel, is
+# one of the implementations), and the course's instruments that measure, model, draw and teach them.
+# The facts beneath (errors, chips, numerics, ...) serve both.
+CONTRACT = ("tpuattn.api", "tpuattn.spec", "tpuattn.options", "tpuattn.registry", "tpuattn.softmax",
+            "tpuattn.sinks", "tpuattn.impl", "tpuattn.pallas", "tpuattn.lesson", "tpuattn.parallel",
+            "tpuattn.decode", "tpuattn.flax")
+INSTRUMENTS = ("tpuattn.measure", "tpuattn.model", "tpuattn.viz", "tpuattn.puzzles", "tpuattn.lm",
+               "tpuattn.exercises", *ALIASES)
+
+
+def _in(module: str, half) -> bool:
+    return any(module == unit or module.startswith(unit + ".") for unit in half)
+
+
+def _crossings(graph, lower, upper) -> list[str]:
+    """For each module of ``lower`` that reaches a module of ``upper`` at any depth (through any module,
+    the package root included), one shortest path ``a -> ... -> b``."""
+    found = []
+    for start in sorted(name for name in graph if _in(name, lower)):
+        parent, queue = {start: None}, [start]
+        while queue:
+            node = queue.pop(0)
+            if _in(node, upper):
+                path = [node]
+                while parent[path[-1]] is not None:
+                    path.append(parent[path[-1]])
+                found.append(" -> ".join(reversed(path)))
+                break
+            for dep in sorted(graph.get(node, ())):
+                if dep not in parent:
+                    parent[dep] = node
+                    queue.append(dep)
+    return found
+
+
+def test_the_contract_half_imports_nothing_from_the_instruments():
+    graph = _graph()
+    assert [name for name in graph if _in(name, CONTRACT)], "the contract half names no module"
+    assert _crossings(graph, CONTRACT, INSTRUMENTS) == []
+
+
+def test_the_crossing_check_follows_imports_at_any_depth():
+    graph = {"tpuattn.api": {"tpuattn.chips"}, "tpuattn.chips": {"tpuattn.model.roofline"},
+             "tpuattn.spec": {"tpuattn.errors"}, "tpuattn.errors": set(),
+             "tpuattn.model.roofline": {"tpuattn.api"}}
+    assert _crossings(graph, CONTRACT, INSTRUMENTS) == [
+        "tpuattn.api -> tpuattn.chips -> tpuattn.model.roofline"]
+
+
+# Names that two modules still share, each pair with why; every other module's last name is its own. A
+# command-line entry shares its module's name (ALIASES). Remove a row when its modules are renamed.
+SHARED_NAMES = {
+    # The decode contract's files mirror the attention contract's (its own spec, registry, api, reference).
+    "api": {"tpuattn.api", "tpuattn.decode.api"},
+    "spec": {"tpuattn.spec", "tpuattn.decode.spec"},
+    "registry": {"tpuattn.registry", "tpuattn.decode.registry"},
+    "reference": {"tpuattn.impl.reference", "tpuattn.decode.reference"},
+    "compat": {"tpuattn.pallas.compat", "tpuattn.decode.compat"},
+    "decode": {"tpuattn.decode", "tpuattn.model.decode"},  # the decode contract and its roofline
+    "model": {"tpuattn.model", "tpuattn.lm.model"},
+    # The kernel puzzles pose the Pallas kernel's two passes.
+    "forward": {"tpuattn.pallas.forward", "tpuattn.puzzles.forward"},
+    "backward": {"tpuattn.pallas.backward", "tpuattn.puzzles.backward"},
+}
+
+
+def _shared_names(modules) -> dict[str, set[str]]:
+    by_name: dict[str, set[str]] = {}
+    for module in modules:
+        if module != "tpuattn":
+            by_name.setdefault(module.rpartition(".")[2], set()).add(ALIASES.get(module, module))
+    return {name: found for name, found in by_name.items() if len(found) > 1}
+
+
+def test_no_two_modules_share_a_name():
+    assert _shared_names(_modules()) == SHARED_NAMES
+    twins = ["tpuattn.bench", "tpuattn.measure.bench", "tpuattn.pallas.plan", "tpuattn.parallel.plan"]
+    assert _shared_names(twins) == {"plan": {"tpuattn.pallas.plan", "tpuattn.parallel.plan"}}
 
 
 def _architecture_blocks() -> list[str]:
