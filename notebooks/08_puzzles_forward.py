@@ -411,6 +411,39 @@ if RUN_SOLUTIONS:
     passed = check(puzzles.SINK_PUZZLE, init, chip=CHIP)
 
 # %% [markdown]
+# ## Puzzle 6c · a quantized cache: dequantize in the kernel (★☆☆, 5 min)
+#
+# Serving engines keep the KV cache in one byte an entry, int8 or fp8, with a float32 **scale**: entry
+# `e` stands for `e * scale`. Decode reads the whole cache every step, so halving its bytes (from
+# bfloat16) halves the step's traffic (`tpuattn.model.decode`). The kernel below is one decode step
+# for 8 query rows over 256 cached keys in two K/V blocks; the two scales arrive in SMEM by scalar
+# prefetch (`scales_ref[0]` for K, `scales_ref[1]` for V). Write `dequantize(entries, scale)`, which
+# the kernel calls on each int8 block before its matmuls: it returns float32 values. The check compares
+# with float64 attention over the dequantized cache (the rounding is the cache's, not the kernel's).
+# Since a scale is one number per tensor (or per kv head), the package's decode kernel folds `k_scale`
+# into the logits' scale and `v_scale` into the output instead of scaling every entry; the result is
+# the same.
+
+
+# %% tags=["puzzle"]
+def dequantize(entries, scale):
+    raise NotImplementedError("int8 entries -> float32 values")
+
+
+# %%
+passed = check(puzzles.QUANT, dequantize, chip=CHIP)
+
+
+# %% cellView="form" jupyter={"outputs_hidden": true, "source_hidden": true} tags=["solution", "hide-cell"]
+# @title Solution: open after trying (runs when RUN_SOLUTIONS = True)
+if RUN_SOLUTIONS:
+    def dequantize(entries, scale):
+        # Widen first: int8 arithmetic would overflow, and the matmuls want float32 (or bfloat16) inputs.
+        return entries.astype(jnp.float32) * scale
+
+    passed = check(puzzles.QUANT, dequantize, chip=CHIP)
+
+# %% [markdown]
 # ## Puzzle 7 · the scalar-prefetch schedule (★★★, 15 min)
 #
 # Now causal **and** a sliding window of 128 keys (query `r` sees key `c` iff `r - 128 < c ≤ r`):

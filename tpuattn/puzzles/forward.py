@@ -373,6 +373,80 @@ SINK_PUZZLE = register(Puzzle(
     lambda q, k, v: _attention64(q, k, v, causal_visible(CAUSAL_SEQ), sink=SINK), rtol=1e-4, atol=1e-5))
 
 
+# 6c. a quantized KV cache: one decode step reads int8 keys and values with a float32 scale each
+# (entry e holds e * scale), handed over in SMEM by scalar prefetch. The learner writes the
+# dequantization the harness's online-softmax step calls on each K/V block.
+
+QUANT_Q, QUANT_KV, QUANT_BLOCK_KV = 8, 256, 128  # 8 query rows (a GQA group's heads) over 256 cached keys
+
+
+def _quant_body(dequantize):
+    def body(scales_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
+        j = pl.program_id(0)
+
+        @pl.when(j == 0)
+        def _init():
+            _empty_state(m_ref, l_ref, acc_ref)
+
+        k = dequantize(k_ref[...], scales_ref[0])  # [block, HEAD_DIM] float32
+        v = dequantize(v_ref[...], scales_ref[1])
+        s = jax.lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * SCALE
+        m_old = m_ref[...]
+        m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)
+        alpha = jnp.exp(m_old - m_new)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        m_ref[...] = m_new
+
+        @pl.when(j == pl.num_programs(0) - 1)
+        def _finish():
+            o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+    return body
+
+
+def _build_quant(dequantize, *, interpret):
+    q_spec = pl.BlockSpec((QUANT_Q, HEAD_DIM), lambda j, scales: (0, 0))
+    kv_spec = pl.BlockSpec((QUANT_BLOCK_KV, HEAD_DIM), lambda j, scales: (j, 0))
+    scratch = [pltpu.VMEM((QUANT_Q, 1), jnp.float32), pltpu.VMEM((QUANT_Q, 1), jnp.float32),
+               pltpu.VMEM((QUANT_Q, HEAD_DIM), jnp.float32)]
+
+    def fn(scales, q, k8, v8):
+        grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(QUANT_KV // QUANT_BLOCK_KV,),
+                                                 in_specs=[q_spec, kv_spec, kv_spec], out_specs=q_spec,
+                                                 scratch_shapes=scratch)
+        return pallas_call(_quant_body(dequantize), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                           grid_spec=grid_spec, compiler_params=_params("arbitrary"), interpret=interpret,
+                           in_names=("scales", "q", "k", "v"), out_names=("out",))(scales, q, k8, v8)
+    return fn
+
+
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """``(entries, scale)``: ``x`` as int8 entries ``round(x / scale)`` with ``scale = max|x| / 127``."""
+    scale = np.float32(np.abs(x).max() / 127.0)
+    return np.clip(np.round(x / scale), -127, 127).astype(np.int8), scale
+
+
+def _quant_inputs():
+    rng = _rng(63)
+    q = _normal(rng, (QUANT_Q, HEAD_DIM))
+    k8, k_scale = quantize_int8(_normal(rng, (QUANT_KV, HEAD_DIM)) * 3.0)
+    v8, v_scale = quantize_int8(_normal(rng, (QUANT_KV, HEAD_DIM)) * 0.5)
+    return np.array([k_scale, v_scale], np.float32), q, k8, v8
+
+
+def _quant_oracle(scales, q, k8, v8):
+    """Attention over the dequantized cache, in float64: the quantization is the cache's, not an error."""
+    scales = np.asarray(scales, np.float64)
+    return _attention64(q, np.asarray(k8, np.float64) * scales[0], np.asarray(v8, np.float64) * scales[1])
+
+
+QUANT = register(Puzzle(
+    "6c. a quantized cache: dequantize in the kernel", _build_quant, _quant_inputs, _quant_oracle,
+    rtol=1e-4, atol=1e-5))
+
+
 # 7. the scalar-prefetch schedule: a table of each query block's visible K/V blocks (causal + window),
 # read by the index map from SMEM. grid (query blocks, the most blocks any row sees).
 
