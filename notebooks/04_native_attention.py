@@ -74,7 +74,7 @@ ERROR_DTYPES = ["float32", "bfloat16"]
 RUN_TIMINGS = True
 TIMING_LENGTHS = [256, 1024]
 TIMING_HEADS, TIMING_HEAD_DIM = 4, 64
-# Modelled TPU for the decision guide (tpuattn.roofline).
+# Modelled TPU for the decision guide (tpuattn.model.roofline).
 MODEL_CHIP = "v5e"
 MODEL_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 # The hidden solution cells run only when this is True, so Run All shows your own results alone.
@@ -385,7 +385,7 @@ print("  splash.make_splash_mha takes interpret=:",
 #   about kernel speed, so they are left out here rather than drawn beside compiled code. That TPU
 #   path is written for a TPU runtime and has not been run on one by the project (the test command
 #   runs its Python with a CPU standing in for a v5e, at small sizes).
-# * **modelled** for a TPU: the roofline lower bound from `tpuattn.roofline` (notebook 05 explains
+# * **modelled** for a TPU: the roofline lower bound from `tpuattn.model.roofline` (notebook 05 explains
 #   it): `xla` materialises the score matrix, `splash` streams tiles through VMEM and skips the masked
 #   ones.
 # * **compiled** for a TPU: what the real TPU compiler plans for each implementation, built on this
