@@ -12,6 +12,7 @@ from tpuattn.api import (
     choose_implementation,
     implementations,
     known_implementations,
+    options_of,
     unavailable_implementations,
 )
 from tpuattn.errors import TpuattnError, UnavailableImplementation, UnsupportedInput
@@ -47,6 +48,7 @@ __all__ = [
     "implementations",
     "known_implementations",
     "make_spec",
+    "options_of",
     "parallel",
     "register",
     "spec_from_shapes",

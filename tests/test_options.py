@@ -1,0 +1,256 @@
+"""Typed options: every implementation's options are one frozen record (tpuattn.options), validated on
+construction with the field, what was expected and what was given; listed by tpuattn.options_of and in
+tpuattn.choose's answer; one Blocks type for every tiled implementation (old spellings read into it);
+tpuattn.parallel forwards only what its local kernel declares; interpret resolved one way.
+
+Values are checked against the float64 NumPy oracle (tests/oracle.py); that block sizes reach a
+kernel is read from the Pallas grid of the traced program (``q_len // block_q`` query blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import random_qkv
+from jax.sharding import Mesh
+from oracle import oracle_attention
+
+import tpuattn
+from tpuattn import api, chips, options, parallel
+from tpuattn.errors import TpuattnError, UnsupportedInput
+from tpuattn.options import Blocks, BlockwiseOptions, PallasOptions, SplashOptions
+
+TILED = ("blockwise", "splash", "pallas")
+
+
+def _pallas_grids(fn, *args) -> list[tuple[int, ...]]:
+    """The grid of every ``pallas_call`` in the traced program of ``fn(*args)``, nested jaxprs included."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(tuple(eqn.params["grid_mapping"].grid))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple | list) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+# ---------------------------------------------------------------------------- construction
+@pytest.mark.parametrize("field,value", [("block_q", 0), ("block_kv", -128), ("backward_block_q", True),
+                                         ("backward_block_kv", 1.5), ("block_q", "128")])
+def test_blocks_refuse_a_bad_size_naming_the_field_expectation_and_value(field, value):
+    with pytest.raises(TpuattnError, match=rf"^blocks\.{field}: expected None \(the implementation's "
+                                           rf"default\) or a positive int, got {value!r}$"):
+        Blocks(**{field: value})
+
+
+def test_blocks_are_frozen_and_numpy_ints_become_python_ints():
+    blocks = Blocks(block_q=np.int64(256))
+    assert blocks.block_q == 256 and type(blocks.block_q) is int
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        blocks.block_q = 128
+
+
+@pytest.mark.parametrize("record,blocks,field,multiple", [
+    (PallasOptions, Blocks(block_q=12), "block_q", 8),
+    (PallasOptions, Blocks(block_kv=200), "block_kv", 128),
+    (PallasOptions, Blocks(backward_block_q=64), "backward_block_q", 128),
+    (SplashOptions, Blocks(block_q=64), "block_q", 128),
+    (SplashOptions, Blocks(backward_block_kv=136), "backward_block_kv", 128),
+])
+def test_a_record_refuses_a_block_off_its_tile_saying_why(record, blocks, field, multiple):
+    value = blocks.set()[field]
+    with pytest.raises(TpuattnError, match=rf"^blocks\.{field}: expected a multiple of {multiple} for "
+                                           rf"impl='{record.IMPL}' \(.*lanes\), got {value}$"):
+        record(blocks=blocks)
+
+
+def test_blockwise_refuses_backward_blocks_it_would_ignore():
+    with pytest.raises(TpuattnError, match=r"^blocks\.backward_block_q: expected None for impl='blockwise' "
+                                           r"\(it takes \['block_kv', 'block_q'\]\), got 256$"):
+        BlockwiseOptions(blocks=Blocks(backward_block_q=256))
+    assert BlockwiseOptions(blocks=Blocks(block_q=3, block_kv=5)).blocks.forward == (3, 5)  # any positive
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(backward="slow"), r"^backward: expected one of \('exact', 'fast'\) \(or None for 'exact'\) for "
+                            r"impl='pallas', got 'slow'$"),
+    (dict(interpret="yes"), r"^interpret: expected None, True, False, 'simulate' or a pltpu.InterpretParams "
+                            r"for impl='pallas', got 'yes'$"),
+    (dict(blocks="big"), r"^blocks: expected None, a tpuattn.options.Blocks or a positive int \(every "
+                         r"extent\), got 'big'$"),
+])
+def test_pallas_options_refuse_bad_values_by_name(kwargs, message):
+    with pytest.raises(TpuattnError, match=message):
+        PallasOptions(**kwargs)
+
+
+def test_splash_interpret_takes_only_none_or_a_bool():
+    with pytest.raises(TpuattnError, match=r"^interpret: expected None, True or False for impl='splash', "
+                                           r"got 'simulate'$"):
+        SplashOptions(interpret="simulate")
+
+
+# ---------------------------------------------------------------------------- old spellings
+def test_old_spellings_are_read_into_blocks():
+    assert PallasOptions.parse({"block_q": 128}).blocks == Blocks(block_q=128)
+    assert BlockwiseOptions.parse({"block_q": 64, "block_kv": 32}).blocks == Blocks(64, 32)
+    assert SplashOptions.parse({"block_kv": 256}).blocks == Blocks(block_kv=256)
+    from tpuattn.pallas import BackwardBlocks, BlockSizes, ForwardBlocks
+
+    sizes = BlockSizes(ForwardBlocks(256, 512), BackwardBlocks(128, 256))
+    assert PallasOptions.parse({"block_sizes": sizes}).blocks == Blocks(256, 512, 128, 256)
+    assert PallasOptions.parse({"block_sizes": ForwardBlocks(8, 128)}).blocks == Blocks(8, 128)
+    assert PallasOptions.parse({"block_sizes": 256}).blocks == Blocks.uniform(256)
+
+
+def test_block_sizes_given_two_ways_are_refused():
+    with pytest.raises(TpuattnError, match=r"^pallas: expected block sizes one way, got blocks= and "
+                                           r"\['block_q'\] \(the old spelling of blocks=\)$"):
+        PallasOptions.parse({"blocks": Blocks(block_kv=128), "block_q": 128})
+    with pytest.raises(TpuattnError, match=r"^pallas: expected block sizes one way, got block_sizes= and "
+                                           r"\['block_kv'\]$"):
+        PallasOptions.parse({"block_sizes": 128, "block_kv": 128})
+
+
+def test_an_unknown_option_is_refused_naming_what_the_implementation_takes():
+    with pytest.raises(TpuattnError, match=r"^splash: unknown option\(s\) \['backward'\]; expected a subset "
+                                           r"of \['block_kv', 'block_q', 'blocks', 'interpret'\]$"):
+        SplashOptions.parse({"backward": "fast"})
+
+
+# ---------------------------------------------------------------------------- listed
+def test_every_implementation_declares_a_record_and_options_of_lists_it():
+    for name in tpuattn.implementations():
+        record = api.get_implementation(name).options
+        if name not in api.IMPLEMENTATION_MODULES or not isinstance(record, type):
+            continue  # a registration of its own may declare names only
+        assert issubclass(record, options.Options), name
+        listed = tpuattn.options_of(name)
+        assert tuple(listed) == record.names(), name
+        for field in dataclasses.fields(record):
+            assert listed[field.name].endswith(f"= {field.default!r}"), (name, field.name)
+        assert ("blocks" in record.fields()) == (name in TILED), name
+    assert tpuattn.options_of("reference") == {}
+    assert tpuattn.options_of("pallas")["block_q"] == "old spelling, read as blocks.block_q"
+
+
+def test_choose_shows_the_chosen_implementations_options():
+    q, k, v = random_qkv(np.random.default_rng(0), 16, 16)
+    spec = tpuattn.make_spec(q, k, v)[-1]
+    for backend in ("cpu", "tpu"):
+        choice = tpuattn.choose(spec, backend)
+        assert choice.options == tuple(tpuattn.options_of(choice.impl)), backend
+        takes = ", ".join(choice.options) if choice.options else None
+        assert (f"its options: {takes}" if takes else "it takes no options") in str(choice)
+
+
+# ---------------------------------------------------------------------------- blocks reach the kernels
+@pytest.mark.parametrize("impl", TILED)
+def test_blocks_and_their_old_spelling_give_the_oracles_answer(impl):
+    if impl not in tpuattn.implementations():
+        pytest.skip(f"{impl} not available")
+    q, k, v = random_qkv(np.random.default_rng(1), 256, 256, q_heads=2, kv_heads=1, head_dim=32)
+    want = oracle_attention(q, k, v, causal=True)
+    for kwargs in (dict(blocks=Blocks(block_q=128, block_kv=128)), dict(block_q=128, block_kv=128)):
+        got = tpuattn.attention(q, k, v, causal=True, impl=impl, **kwargs)
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+def test_pallas_runs_the_blocks_it_is_given():
+    q = jnp.zeros((1, 512, 2, 128), jnp.float32)
+    for kwargs, block_q in ((dict(block_q=128), 128), (dict(blocks=Blocks(block_q=256, block_kv=128)), 256),
+                            (dict(blocks=Blocks.uniform(128)), 128)):
+        grids = _pallas_grids(lambda q, kw=kwargs: tpuattn.attention(q, q, q, causal=True, impl="pallas", **kw),
+                              q)
+        assert len(grids) == 1 and grids[0][2] == 512 // block_q, (kwargs, grids)
+
+
+# ---------------------------------------------------------------------------- parallel: declared options only
+def _mesh():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 CPU devices (conftest sets XLA_FLAGS)")
+    return Mesh(np.array(jax.devices()[:2]), ("h",))
+
+
+def test_parallel_forwards_block_q_to_pallas_as_blocks():
+    """Before: tpuattn.parallel's docstring offered block_q for its local kernel, and pallas refused it
+    ("pallas: unknown option(s) ['block_q']")."""
+    mesh = _mesh()
+    q, k, v = random_qkv(np.random.default_rng(2), 256, 256, q_heads=2, kv_heads=2, head_dim=32)
+    got = parallel.attention(q, k, v, mesh=mesh, head_axis="h", impl="pallas", causal=True, block_q=128)
+    np.testing.assert_allclose(np.asarray(got), oracle_attention(q, k, v, causal=True), atol=2e-5, rtol=2e-5)
+    grids = _pallas_grids(lambda q, k, v: parallel.attention(q, k, v, mesh=mesh, head_axis="h", impl="pallas",
+                                                             causal=True, block_q=128), q, k, v)
+    assert grids and all(grid[2] == 256 // 128 for grid in grids), grids
+
+
+@pytest.mark.parametrize("impl,kwargs,message", [
+    ("blockwise", dict(backward="fast"), r"^blockwise: unknown option\(s\) \['backward'\]"),
+    ("blockwise", dict(blocks=Blocks(backward_block_q=128)), r"^blocks\.backward_block_q: expected None for "
+                                                             r"impl='blockwise'"),
+    ("pallas", dict(block_q=12), r"^blocks\.block_q: expected a multiple of 8 for impl='pallas'"),
+    ("reference", dict(block_q=128), r"^reference: unknown option\(s\) \['block_q'\]; expected a subset of "
+                                     r"\[\]$"),
+])
+def test_parallel_refuses_what_its_local_kernel_does_not_declare_before_tracing(impl, kwargs, message,
+                                                                                 monkeypatch):
+    mesh = _mesh()
+    q, k, v = random_qkv(np.random.default_rng(3), 16, 16)
+    traced = []
+    monkeypatch.setattr(jax, "shard_map", lambda *a, **k: traced.append(1) or (lambda *args: None))
+    with pytest.raises(TpuattnError, match=message):
+        parallel.attention(q, k, v, mesh=mesh, head_axis="h", impl=impl, **kwargs)
+    assert not traced  # refused before the shard_map was built
+
+
+# ---------------------------------------------------------------------------- interpret, one way
+def test_interpret_is_resolved_one_way():
+    from tpuattn.pallas import resolve_interpret as pallas_interpret
+    from tpuattn.supports import compiling_off_tpu_refused
+
+    assert options.resolve_interpret(None, "x", backend="cpu") is True
+    assert options.resolve_interpret(None, "x", backend="tpu") is False
+    assert options.resolve_interpret(False, "x", backend="tpu") is False
+    assert pallas_interpret(None) is (chips.target_backend() != "tpu")
+    with chips.target("v5e"):
+        assert pallas_interpret(None) is False
+    if chips.target_backend() == "tpu":
+        pytest.skip("the refusal is for a target that is not a TPU")
+    messages = []
+    for refuse in (lambda: options.resolve_interpret(False, "splash"), lambda: pallas_interpret(False),
+                   lambda: compiling_off_tpu_refused(False, "splash")):
+        with pytest.raises(UnsupportedInput) as error:
+            refuse()
+        messages.append(str(error.value).replace("impl='pallas'", "impl='splash'"))
+    assert len(set(messages)) == 1 and messages[0].startswith("interpret: expected True or None"), messages
+
+
+# ---------------------------------------------------------------------------- the VMEM-limit rule
+def test_scoped_vmem_limit_is_one_rule():
+    from tpuattn.pallas import blocks as pallas_blocks
+
+    chip = chips.get("v5e")
+    mib = 1 << 20
+    default = chip.kernel_vmem_bytes
+    assert options.scoped_vmem_limit(default, 1.0, chip) is None  # fits the compiler's default
+    assert options.scoped_vmem_limit(10 ** 12, 2.0, None) is None  # no chip: nothing to size for
+    need = default // 2 + 1  # twice it is just over the default: rounded up to the next MiB
+    assert options.scoped_vmem_limit(need, 2.0, chip) == -(-(2 * need) // mib) * mib
+    assert options.scoped_vmem_limit(chip.vmem_bytes, 2.0, chip) == chip.vmem_bytes  # at most the chip's
+    # The Pallas kernels' head blocks use it with their margin; one head a step keeps the default.
+    assert pallas_blocks.vmem_limit_bytes(need, 2, chip) == options.scoped_vmem_limit(
+        need, pallas_blocks.VMEM_MARGIN, chip)
+    assert pallas_blocks.vmem_limit_bytes(need, 1, chip) is None
