@@ -13,7 +13,7 @@ Four environments live at the repository root, each built from an exact pin file
                        installs it through the notebooks' own install cell (:class:`ColabEnv`)
 * ``.venv-jax0.8.3``, ``.venv-jax0.9.2``  the middle releases with their libtpu, for the release matrix's
                        smoke subset (``requirements/ci-jax0.8.3.txt``, ``ci-jax0.9.2.txt``): the quick
-                       tier's tests and notebooks 01-03, through kernels ``tpuattn-jax0.8.3`` and ``-0.9.2``
+                       tier's tests and notebook 03, through kernels ``tpuattn-jax0.8.3`` and ``-0.9.2``
 
 The pins are installed with uv (``requirements/uv.txt`` pins it; it is fetched once into ``.venv-uv/``
 with the system's pip): it downloads and unpacks wheels in parallel and links shared ones from its cache,
