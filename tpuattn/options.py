@@ -389,6 +389,14 @@ class DecodeKernelOptions(Options):
 RECORDS = (ReferenceOptions, XlaOptions, BlockwiseOptions, SplashOptions, PallasOptions, TokamaxOptions)
 
 
+def option_fields(options) -> tuple[str, ...]:
+    """The options an implementation's ``options`` declaration holds, old spellings left out: a record
+    type's fields, or a plain tuple of names."""
+    if isinstance(options, type) and issubclass(options, Options):
+        return options.fields()
+    return tuple(options)
+
+
 def option_names(options) -> tuple[str, ...]:
     """The keyword names an implementation's ``options`` declaration takes: a record type's
     :meth:`Options.names`, or a plain tuple of names (a record of an older registration)."""

@@ -28,7 +28,7 @@ import jax
 
 from tpuattn import chips
 from tpuattn.errors import TpuattnError, UnavailableImplementation, UnsupportedInput
-from tpuattn.options import Options, option_names
+from tpuattn.options import Options, option_fields, option_names
 from tpuattn.spec import AttentionSpec
 
 BACKENDS = ("cpu", "gpu", "tpu")
@@ -203,7 +203,7 @@ class Choice:
     backend: str
     reason: str
     refused: tuple[tuple[str, str], ...]  # (implementation, why it was not picked)
-    options: tuple[str, ...] = ()  # the options the chosen implementation takes (tpuattn.options_of)
+    options: tuple[str, ...] = ()  # the chosen one's options (tpuattn.options_of), old spellings aside
 
     def __str__(self) -> str:
         takes = f"; its options: {', '.join(self.options)}" if self.options else "; it takes no options"
@@ -408,7 +408,7 @@ class Registry(Generic[R]):
         if rest:
             reason += "; then " + ", ".join(f"{n} ({r:g})" for r, _, n in rest)
         return Choice(impl=name, backend=backend, reason=reason, refused=tuple(refused),
-                      options=option_names(getattr(self.get(name), "options", ())))
+                      options=option_fields(getattr(self.get(name), "options", ())))
 
     def resolve(self, impl: str, spec, backend: str | None = None, *, subset: Subset | None = None,
                 options=()) -> R:
