@@ -157,6 +157,26 @@ EUP_SOURCE = ("derived: one float32 vector register (8 x 128) per cycle through 
 
 
 
+# CLOCK: the TensorCore clock the static estimate (tpuattn.measure.estimate) counts bundles at, one VLIW
+# bundle a cycle. Published for v2 and v3 (Jouppi et al., "A Domain-Specific Supercomputer for Training Deep
+# Neural Networks", CACM 63(7), 2020, Table 3: 700 and 940 MHz) and v4 (Jouppi et al., "TPU v4: An
+# Optically Reconfigurable Supercomputer for Machine Learning", ISCA 2023, Table 3: 1050 MHz). Google
+# publishes no clock for v5e, v5p, v6e or tpu7x; for them it is the clock the peak implies
+# (Chip.clock_hz), which for v2 and v4 gives the published figures (0.70 and 1.05 GHz).
+PUBLISHED_CLOCK_HZ = {"v2": 700e6, "v3": 940e6, "v4": 1050e6}
+CLOCK_SOURCES = {"v2": "Jouppi et al., CACM 2020, Table 3 (700 MHz)",
+                 "v3": "Jouppi et al., CACM 2020, Table 3 (940 MHz)",
+                 "v4": "Jouppi et al., ISCA 2023, Table 3 (1050 MHz)"}
+
+
+def estimate_clock(name: str) -> tuple[float, str]:
+    """``(Hz, source)``: the chip's published clock, or (none published) the one its peak implies."""
+    chip = get(name)
+    if chip.name in PUBLISHED_CLOCK_HZ:
+        return PUBLISHED_CLOCK_HZ[chip.name], CLOCK_SOURCES[chip.name]
+    return chip.clock_hz, "derived: peak bf16 FLOP/s / (2 x MXUs x MXU side^2), none published"
+
+
 def mxu_clock_hz(bf16_flops_per_core: float, mxus: int, mxu_size: int) -> float:
     """The clock a TensorCore's peak implies, every cell of its ``mxus`` MXUs (``mxu_size`` square) one
     multiply-add a cycle (:attr:`Chip.clock_hz`; JAX's ``TpuInfo`` gives the same three numbers)."""

@@ -1,0 +1,111 @@
+"""The compiled static estimate (:mod:`tpuattn.measure.estimate`): libtpu's final bundles counted as often as
+they run, on kernels whose counts are known by construction (compiled for v5e in a child process, not run).
+Needs libtpu (the test command's compile stages)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from helpers import require_tpu_compiler
+
+from tpuattn import chips, errors
+from tpuattn.measure import estimate, static
+
+require_tpu_compiler()
+
+# One 128 x 128 bf16 block of Q times one of K transposed per grid step, over a grid of `steps` steps,
+# the product written only on the steps `when` selects (every step: `True`).
+MATMUL_LOOP = """
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+def loop_kernel(q_ref, k_ref, o_ref):
+    j = pl.program_id(0)
+    o_ref[...] = jnp.zeros_like(o_ref)
+    @pl.when({when})
+    def _():
+        o_ref[...] = jax.lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+def FN(q, k):
+    spec = lambda index: pl.BlockSpec((128, 128), index)
+    return pl.pallas_call(loop_kernel, grid=({steps},),
+                          in_specs=[spec(lambda j: (0, 0)), spec(lambda j: (j, 0))],
+                          out_specs=spec(lambda j: (0, j)),
+                          out_shape=jax.ShapeDtypeStruct((128, 128 * {steps}), jnp.float32))(q, k)
+ARGS = [jax.ShapeDtypeStruct((128, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128 * {steps}, 128), jnp.bfloat16)]
+"""
+
+
+def _loop_bundles(path) -> int:
+    # Independent count: the bundle lines (an address, then ':') from the loop body's first (``LB:``)
+    # through the branch back to it (the first branch after the loop's exit test) and the bundles issued
+    # in that branch's delay: those with an instruction inside the loop ('>') and the empty ones after
+    # them ('{}', printed without the loop's marks).
+    lines = [line for line in path.read_text().splitlines() if re.match(r"^\s*(0x[0-9a-f]+|\d+)\s+\w*:", line)]
+    start = next(i for i, line in enumerate(lines) if " LB:" in line)
+    exit_test = next(i for i, line in enumerate(lines) if "loop exit test" in line)
+    stop = next(i for i in range(exit_test, len(lines)) if "sbr.rel" in lines[i]) + 1
+    while re.search(r":\s*>", lines[stop]) or re.search(r"\{\s*\}", lines[stop]):
+        stop += 1
+    return stop - start
+
+
+def _kernel(tmp_path, steps, when="True", weights=None):
+    out = static.dump(MATMUL_LOOP.format(steps=steps, when=when), "v5e", tmp_path / f"{steps}-{len(when)}")
+    path = static.bundle_file(out, "loop_kernel")
+    return out, path, estimate.estimate_bundles(path, "v5e", weights or estimate.Weights(), name="loop_kernel")
+
+
+def test_the_estimate_scales_with_the_grid(tmp_path):
+    # The grid is one loop: its trips are the grid's steps plus the pipeline's warm-up and drain, and each
+    # trip costs the loop's bundles, so 16 steps cost 12 trips of loop bundles more than 4 steps.
+    (_, path4, four), (_, path16, sixteen) = _kernel(tmp_path, 4), _kernel(tmp_path, 16)
+    assert four.trips == (4 + 2,) and sixteen.trips == (16 + 2,)
+    per_trip = _loop_bundles(path16)
+    assert per_trip == _loop_bundles(path4)  # the same step, compiled twice
+    assert sixteen.cycles - four.cycles == pytest.approx(12 * per_trip)
+    assert four.label == estimate.LABEL == "compiled (static estimate, not run)"
+    # The MXU bound is a true lower bound: one 128 x 128 x 128 matmul per step at the chip's peak.
+    peak = chips.get("v5e").per_device()["bf16_flops"]
+    assert sixteen.seconds >= 16 * 2 * 128**3 / peak
+
+
+def test_a_branch_is_weighed_by_how_often_the_grid_takes_it(tmp_path):
+    # The product runs on one step in 4: a region holding every vmatmul of the kernel, weighed by that share.
+    _, path, every = _kernel(tmp_path, 16, "j % 4 == 0")
+    (compute,) = [r for r in every.regions if r.kind == "compute"]
+    assert compute.vmatmul == static.read_bundles(path)["vmatmul"] == 8
+    quarter = estimate.estimate_bundles(path, "v5e", estimate.Weights(compute=0.25))
+    skipped = (compute.stop - compute.start) * every.trips[0]
+    assert every.cycles - quarter.cycles == pytest.approx(0.75 * skipped)
+    # The regions the weights leave alone (the pipeline's) do not change.
+    assert [r.kind for r in quarter.regions] == [r.kind for r in every.regions]
+
+
+def test_the_whole_program_adds_its_computations(tmp_path):
+    out, _, kernel = _kernel(tmp_path, 8)
+    program = estimate.estimate_dump(out, "v5e", {"loop_kernel": estimate.Weights()})
+    names = [c.name for c in program.computations]
+    assert "loop_kernel" in names and names[-1] == "program"
+    assert program.seconds == pytest.approx(sum(c.seconds for c in program.computations))
+    assert [c for c in program.computations if c.name == "loop_kernel"][0].cycles == kernel.cycles
+    assert program.label == estimate.LABEL
+
+
+def test_tile_weights_follow_the_tile_codes():
+    # 4 x 4 tiles of a causal square: 10 visited of 16, the 4 on the diagonal partial; one write-out per row.
+    assert estimate.tile_weights(2048, 512, True) == estimate.Weights(compute=10 / 16, partial=4 / 16, edge=1 / 4)
+    assert estimate.tile_weights(2048, 512, False) == estimate.Weights(compute=1.0, partial=0.0, edge=1 / 4)
+
+
+def test_clocks_are_published_or_derived():
+    # v4's published clock (1050 MHz) and the one its peak implies agree; v5e has none published.
+    hz, source = chips.estimate_clock("v4")
+    assert hz == 1.05e9 and "ISCA 2023" in source
+    assert chips.get("v4").clock_hz == pytest.approx(hz, rel=0.01)
+    assert chips.estimate_clock("v5e")[1].startswith("derived")
+
+
+def test_bad_weights_are_named():
+    with pytest.raises(errors.TpuattnError, match="compute: expected a share between 0 and 1, got 1.5"):
+        estimate.Weights(compute=1.5)

@@ -1,0 +1,428 @@
+"""A time for a compiled TPU program, read from libtpu's final VLIW bundles: **compiled (static estimate,
+not run)**.
+
+libtpu issues one VLIW bundle a cycle (:mod:`tpuattn.measure.static` reads them from its dumps). A
+computation's time is then its bundles, each counted as often as it runs, at the chip's clock
+(:func:`tpuattn.chips.estimate_clock`), or the bytes it moves over the HBM bandwidth where those take
+longer. Per computation of the program (the top-level program's ``inlined_call`` of each fusion or
+kernel):
+
+* **loops**: a bundle inside a loop runs once per trip; the trip count is the constant of the loop's
+  exit test (``scmp.ge ... N /* loop exit test */``; a Pallas grid is one loop of its steps plus the
+  pipeline's warm-up and drain trips, counted as full trips);
+* **branches**: a ``sbr.rel`` skips the bundles up to its target region. In a Pallas kernel's grid loop
+  the skipped region is weighed by how often the grid runs it (:class:`Weights`): a region that waits
+  for the pipeline's DMAs on every step (``pipeline-emitter-dma-wait``), a region with ``vmatmul`` on the
+  steps that compute (the visited tiles' share of the grid), a region nested in it with the most mask
+  instructions (``vcmp``, ``vsel``) on the share of those that are partial (masked), its sibling on the
+  rest, and any other region (the accumulators' set-up and write-out) once per output block. Outside
+  Pallas kernels every branch is counted as taken (an upper bound on the bundles);
+* **DMA**: in a Pallas grid loop the copies a step starts (``dma.hbm_to_vmem``, their constant
+  block, ``window_bounds`` elements of ``element_size_in_bytes`` as the dump annotates each copy) over
+  the HBM bandwidth (a copy issued on several paths of a step is counted on each: an upper bound); a computing step takes the
+  longer of its bundles and that; an XLA fusion takes the longer of its bundles and its operands and
+  results in HBM (not those placed in VMEM, ``S(1)`` in their layout) over the bandwidth (the
+  roofline of its bytes);
+* the bundles outside loops (prologue, epilogue) once.
+
+Nothing is run or timed and nothing is fitted to a measurement: the numbers are the compiler's output,
+the chip's clock and its published HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from tpuattn import chips, errors
+from tpuattn.measure import static
+
+LABEL = "compiled (static estimate, not run)"
+
+_LINE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+([A-Z]{2})?:\s*(>*)\s*\{")
+_BRANCH = re.compile(r"sbr\.rel \(([^)]*)\) target = \$region(\d+)")
+_EXIT = re.compile(r"scmp\.ge\.s32\.totalorder %\w+, (\d+) /\* loop exit test \*/")
+# A copy the loop starts (not the bounds check's comment that repeats it), and the block it moves.
+_DMA_IN = re.compile(r"(?:\{|;;)\s*%\w+ = dma\.hbm_to_vmem\b")
+_WINDOW = re.compile(r"window_bounds: \(([\d, ]+)\)")
+_ELEMENT = re.compile(r"element_size_in_bytes: (\d+)")
+_CALL = re.compile(r"inlined_call[^/]*/\* %([\w.\-]+) = ")
+_IDLE = re.compile(r"\{\s*(?:%\w+ = (?:vnop|vdelay \d+)\s*)?\}")
+_DELAY = re.compile(r"= vdelay (\d+)")
+_MASK_OPS = re.compile(r"= v(?:cmp|sel)[.\s]")
+_SHAPE = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8\w*)\[([\d,]*)\]"
+                    r"(\{[^}]*\})?")
+_ITEMSIZE = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
+             "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Bundle:
+    depth: int   # enclosing loops
+    loop: bool   # the first bundle of a loop body (``LB:``)
+    text: str    # the bundle, its continuation lines included
+    cycles: int = 1  # one a cycle, or the N cycles of a ``vdelay N`` (the compiler's stall, on v2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """The bundles ``[start, stop)`` a branch at ``branch`` skips, and how often they run (per trip)."""
+
+    branch: int
+    start: int
+    stop: int
+    kind: str         # "pipeline", "compute", "partial", "unmasked", "edge" or "xla"
+    vmatmul: int
+    mask_ops: int
+    frequency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """How often a Pallas grid runs each kind of branch, per grid step: ``compute`` (steps that compute
+    / all steps), ``partial`` (steps that compute on a partial, masked tile / all steps) and ``edge``
+    (set-up and write-out: once per output block, 1 / the reduction axis' steps)."""
+
+    compute: float = 1.0
+    partial: float = 0.0
+    edge: float = 1.0
+
+    def __post_init__(self):
+        for name in ("compute", "partial", "edge"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+                raise errors.TpuattnError(f"{name}: expected a share between 0 and 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Computation:
+    """One computation's estimate (``compiled (static estimate, not run)``)."""
+
+    name: str
+    kind: str            # "pallas", "xla" or "program" (the top-level program's own bundles)
+    bundles: int         # bundles in the file
+    trips: tuple         # each loop's trip count, outermost first
+    cycles: float        # bundles counted as often as they run
+    compute_s: float     # cycles at the clock
+    dma_bytes: float     # HBM bytes its DMAs (Pallas) or its operands and results (XLA) move
+    seconds: float       # the estimate
+    regions: tuple = ()
+    label: str = LABEL
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    chip: str
+    clock_hz: float
+    clock_source: str
+    computations: tuple
+    seconds: float
+    label: str = LABEL
+
+
+def read(path: str | os.PathLike) -> list[Bundle]:
+    """The bundles of a final-bundles file, in order."""
+    bundles: list[list] = []
+    for line in Path(path).read_text().splitlines():
+        match = _LINE.match(line)
+        if match:
+            depth = len(match.group(3))
+            if not depth and bundles and _IDLE.search(line):
+                depth = bundles[-1][0]  # an idle bundle (a stall) is printed without its loop marks
+            bundles.append([depth, match.group(2) == "LB", line])
+        elif bundles:
+            bundles[-1][2] += "\n" + line
+    return [Bundle(depth, loop, text, max([1] + [int(n) for n in _DELAY.findall(text)]))
+            for depth, loop, text in bundles]
+
+
+def loops(bundles: list[Bundle]) -> list[tuple[int, int, int, int]]:
+    """``(start, stop, depth, trips)`` of each loop: the bundles from its ``LB:`` on at its depth or
+    deeper, the trip count the last exit test at its depth compares with."""
+    found = []
+    for start, bundle in enumerate(bundles):
+        if not bundle.loop:
+            continue
+        stop = start
+        while stop < len(bundles) and bundles[stop].depth >= bundle.depth:
+            stop += 1
+        exits = [int(m) for b in bundles[start:stop] if b.depth == bundle.depth
+                 for m in _EXIT.findall(b.text)]
+        if not exits:
+            raise ValueError(f"bundles: the loop at bundle {start} has no exit test with a constant trip count")
+        found.append((start, stop, bundle.depth, exits[-1]))
+    return found
+
+
+def _region_stop(bundles: list[Bundle], after: int, region: str) -> int | None:
+    mark = re.compile(rf"(?:Start/End empty|Start) region {region}\b")
+    for index in range(after + 1, len(bundles)):
+        if mark.search(bundles[index].text):
+            return index
+    return None  # a backward branch (a loop's)
+
+
+def regions(bundles: list[Bundle], weights: Weights | None) -> list[Region]:
+    """The forward branches' regions, each with its frequency per trip (``weights`` None: an XLA
+    computation, every region counted as run)."""
+    raw = []
+    for index, bundle in enumerate(bundles):
+        for _predicate, target in _BRANCH.findall(bundle.text):
+            stop = _region_stop(bundles, index, target)
+            if stop is None:
+                continue
+            body = "\n".join(b.text for b in bundles[index + 1:stop])
+            raw.append((index, index + 1, stop, len(re.findall(r"= vmatmul[.\s]", body)),
+                        len(_MASK_OPS.findall(body)), "pipeline-emitter-dma-wait" in body))
+    found = []
+    for branch, start, stop, vmatmul, mask_ops, waits in raw:
+        if weights is None:
+            kind, frequency = "xla", 1.0
+        elif waits:
+            kind, frequency = "pipeline", 1.0
+        elif vmatmul:
+            parents = [r for r in raw if r[1] <= start and stop <= r[2] and r[0] != branch and r[3]
+                       and not r[5]]
+            if not parents:
+                kind, frequency = "compute", weights.compute
+            else:
+                parent = min(parents, key=lambda r: r[2] - r[1])
+                siblings = [r for r in raw if parent[1] <= r[1] and r[2] <= parent[2] and r[0] != parent[0]
+                            and r[3]]
+                most = max(r[4] for r in siblings)
+                share = weights.partial / weights.compute if weights.compute else 0.0
+                kind, frequency = ("partial", share) if mask_ops == most else ("unmasked", 1 - share)
+        else:
+            kind, frequency = "edge", weights.edge
+        found.append(Region(branch, start, stop, kind, vmatmul, mask_ops, frequency))
+    return found
+
+
+def _frequencies(bundles: list[Bundle], found: list[Region]) -> list[float]:
+    """Per bundle, the product of its regions' frequencies relative to the enclosing ones."""
+    per_bundle = [1.0] * len(bundles)
+    for region in found:
+        for index in range(region.start, region.stop):
+            per_bundle[index] *= region.frequency
+    return per_bundle
+
+
+def estimate_bundles(path: str | os.PathLike, chip: str, weights: Weights | None = None, *,
+                     hbm_bytes: float = 0.0, name: str | None = None) -> Computation:
+    """The estimate of one computation's final-bundles file (``weights`` given: a Pallas kernel whose grid
+    runs its branches that often; None: an XLA computation that moves ``hbm_bytes``)."""
+    clock, _ = chips.estimate_clock(chip)
+    bandwidth = chips.get(chip).per_device()["hbm_bandwidth"]
+    bundles = read(path)
+    found = regions(bundles, weights)
+    per_bundle = _frequencies(bundles, found)
+    found_loops = loops(bundles)
+    times = [1.0] * len(bundles)
+    for start, stop, _depth, trips in found_loops:
+        for index in range(start, stop):
+            times[index] *= trips
+    cycles = sum(f * t * b.cycles for f, t, b in zip(per_bundle, times, bundles))
+    compute_s = cycles / clock
+    kind = "xla" if weights is None else "pallas"
+    if weights is None:
+        return Computation(name or Path(path).name, kind, len(bundles), tuple(t for *_, t in found_loops),
+                           cycles, compute_s, hbm_bytes, max(compute_s, hbm_bytes / bandwidth), tuple(found))
+    # A Pallas grid: the outermost loop. A computing step waits for the copies it started when they
+    # take longer than its bundles (the step's bundles with every compute region run once).
+    dma_bytes, stall_s = 0.0, 0.0
+    outer = [loop for loop in found_loops if loop[2] == 1]
+    for start, stop, _depth, trips in outer:
+        step_bytes = sum(_copied_bytes(b.text) for b in bundles[start:stop])
+        step = [1.0] * len(bundles)
+        for region in found:
+            if region.kind in ("edge",) and start <= region.start < stop:
+                for index in range(region.start, region.stop):
+                    step[index] *= region.frequency
+            if region.kind in ("partial", "unmasked") and start <= region.start < stop:
+                for index in range(region.start, region.stop):
+                    step[index] *= region.frequency
+        step_cycles = sum(step[i] * times[i] * bundles[i].cycles / trips for i in range(start, stop))
+        computing_steps = trips * weights.compute
+        dma_bytes += computing_steps * step_bytes
+        stall_s += computing_steps * max(0.0, step_bytes / bandwidth - step_cycles / clock)
+    outside = sum(_copied_bytes(b.text) for b in bundles if b.depth == 0)
+    dma_bytes += outside
+    seconds = compute_s + stall_s + outside / bandwidth
+    return Computation(name or Path(path).name, kind, len(bundles), tuple(t for *_, t in found_loops), cycles,
+                       compute_s, dma_bytes, seconds, tuple(found))
+
+
+def _copied_bytes(text: str) -> float:
+    """The bytes of each copy from HBM a bundle starts: its block's elements times their size."""
+    total = 0.0
+    for match in _DMA_IN.finditer(text):
+        rest = text[match.end():]
+        window, element = _WINDOW.search(rest), _ELEMENT.search(rest)
+        if window and element:
+            total += math.prod(int(n) for n in window.group(1).split(",")) * int(element.group(1))
+    return total
+
+
+# ---------------------------------------------------------------------------- a whole program
+def _shape_bytes(text: str, *, hbm_only: bool = True) -> float:
+    total = 0.0
+    for dtype, dims, layout in _SHAPE.findall(text):
+        if hbm_only and layout and "S(1)" in layout:
+            continue
+        total += math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE.get(dtype, 1)
+    return total
+
+
+def _hlo_definitions(hlo: str) -> dict[str, str]:
+    """``name -> the shape text`` of every instruction of the entry computation."""
+    entry = hlo[hlo.find("\nENTRY"):]
+    found = {}
+    for match in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*?)\)", entry, re.M):
+        found[match.group(1)] = (match.group(2), match.group(3), match.group(4))
+    return found
+
+
+def _hbm_bytes(name: str, defs: dict) -> float:
+    """An XLA op's operands and result in HBM, in bytes (the roofline's bytes of that op)."""
+    if name not in defs:
+        return 0.0
+    shape, _op, operands = defs[name]
+    total = _shape_bytes(shape)
+    for operand in re.findall(r"%([\w.\-]+)", operands):
+        if operand in defs:
+            total += _shape_bytes(defs[operand][0])
+    return total
+
+
+def _program_files(out: Path) -> tuple[Path, Path]:
+    """The final bundles and HLO of the dumped program ``jit_FN`` (the child's ``FN``)."""
+    for hlo in sorted((out / "llo").glob("*-TLP-hlo.txt")):
+        if re.match(r"HloModule jit_FN\b", hlo.read_text()):
+            return hlo.with_name(hlo.name.replace("-TLP-hlo.txt", "-TLP-01-final_bundles.txt")), hlo
+    raise static.DumpFailed(f"no top-level program jit_FN under {out / 'llo'}")
+
+
+def _computation_file(out: Path, name: str, after: int) -> Path | None:
+    files = [p for p in (out / "llo").glob(f"*-{name}-01-final_bundles.txt")
+             if p.name.split("-", 1)[0].isdigit()]
+    later = [p for p in files if int(p.name.split("-", 1)[0]) >= after]
+    if not (later or files):
+        return None
+    return min(later or files, key=lambda p: int(p.name.split("-", 1)[0]))
+
+
+def estimate_dump(out: str | os.PathLike, chip: str, weights: dict[str, Weights] | None = None) -> Estimate:
+    """The program a dump holds (:func:`tpuattn.measure.static.dump` of code defining ``FN``), estimated:
+    its own bundles and, per ``inlined_call``, the called computation's (``weights``: the Pallas
+    kernels' by kernel name; a kernel not named there is weighed as if every step computed)."""
+    out = Path(out)
+    weights = {} if weights is None else weights
+    top, hlo_path = _program_files(out)
+    defs = _hlo_definitions(hlo_path.read_text())
+    top_id = int(top.name.split("-", 1)[0])
+    kernels = {}
+    for kernel in static.kernel_names(out):
+        try:
+            kernels[static.bundle_file(out, kernel).name] = kernel
+        except ValueError:
+            continue
+    clock, source = chips.estimate_clock(chip)
+    bandwidth = chips.get(chip).per_device()["hbm_bandwidth"]
+    bundles = read(top)
+    found_loops = loops(bundles)
+    computations = []
+    for index, bundle in enumerate(bundles):
+        for name in _CALL.findall(bundle.text):
+            if name.startswith("<"):
+                continue
+            repeat = math.prod(t for s, e, _d, t in found_loops if s <= index < e)
+            path = _computation_file(out, name, top_id)
+            kernel = None if path is None else kernels.get(path.name)
+            if path is None:  # an op with no bundles of its own (a copy done by DMA): at the roofline
+                moved = _hbm_bytes(name, defs)
+                one = Computation(name, "xla", 0, (), 0.0, 0.0, moved, moved / bandwidth)
+            elif kernel is not None:
+                one = estimate_bundles(path, chip, weights.get(kernel, Weights()), name=kernel)
+            else:
+                one = estimate_bundles(path, chip, None, hbm_bytes=_hbm_bytes(name, defs), name=name)
+            computations += [one] * repeat
+    # The program's own bundles (its calls are one bundle each) and its copies between HBM and VMEM.
+    times = [1.0] * len(bundles)
+    for start, stop, _depth, trips in found_loops:
+        for index in range(start, stop):
+            times[index] *= trips
+    own = sum(t * b.cycles for t, b in zip(times, bundles))
+    copies = sum(_shape_bytes(defs[n][0]) for n in defs if defs[n][1] == "copy-start")
+    computations.append(Computation("program", "program", len(bundles), tuple(t for *_, t in found_loops), own,
+                                    own / clock, copies, own / clock + copies / bandwidth))
+    return Estimate(chip, clock, source, tuple(computations), sum(c.seconds for c in computations))
+
+
+def estimate(code: str, chip: str = "v5e", weights: dict[str, Weights] | None = None, *,
+             out_dir=None) -> Estimate:
+    """Compile the program ``code`` describes (see :func:`tpuattn.measure.static.dump`) for ``chip`` with
+    libtpu's dumps and estimate it (the dump kept in ``out_dir`` if given, else deleted)."""
+    with tempfile.TemporaryDirectory(prefix="tpuattn_estimate_") as scratch:
+        out = static.dump(code, chip, scratch if out_dir is None else out_dir)
+        return estimate_dump(out, chip, weights)
+
+
+# ---------------------------------------------------------------------------- the programs of attention
+SPLASH_CODE = """
+import jax, jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as sa
+mask = sa.MultiHeadMask([{mask}(({seq_len}, {seq_len}))] * {heads})
+blocks = sa.BlockSizes(block_q={block}, block_kv={block}, block_kv_compute={block},
+                       block_q_dkv={block}, block_kv_dkv={block}, block_kv_dkv_compute={block},
+                       block_q_dq={block}, block_kv_dq={block})
+kernel = sa.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1)
+attend = jax.vmap(kernel)
+def FN(q, k, v):
+    if {backward}:
+        loss = lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return attend(q, k, v)
+ARGS = [jax.ShapeDtypeStruct(({batch}, {heads}, {seq_len}, {head_dim}), jnp.{dtype})] * 3
+"""
+
+FLASH_CODE = """
+import jax, jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import flash_attention as fa
+blocks = fa.BlockSizes(block_q={block}, block_k_major={block}, block_k={block}, block_b=1)
+def FN(q, k, v):
+    return fa.flash_attention(q, k, v, causal={causal}, sm_scale=1.0, block_sizes=blocks)
+ARGS = [jax.ShapeDtypeStruct(({batch}, {heads}, {seq_len}, {head_dim}), jnp.{dtype})] * 3
+"""
+
+XLA_CODE = """
+import jax, jax.numpy as jnp
+def attend(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k{precision})
+    if {causal}:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v{precision})
+def FN(q, k, v):
+    if {backward}:
+        loss = lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return attend(q, k, v)
+ARGS = [jax.ShapeDtypeStruct(({batch}, {seq_len}, {heads}, {head_dim}), jnp.{dtype})] * 3
+"""
+
+
+def tile_weights(seq_len: int, block: int, causal: bool) -> Weights:
+    """A square problem's grid shares (:class:`Weights`) from the package's tile codes
+    (:meth:`tpuattn.spec.MaskSpec.block_map`: EMPTY tiles skipped, PARTIAL masked)."""
+    from tpuattn import spec as spec_module
+
+    mask = spec_module.spec_from_shapes(seq_len, seq_len, causal=causal).mask
+    codes = mask.block_map(block, block)
+    total = codes.size
+    visited = int((codes != spec_module.EMPTY).sum())
+    partial = int((codes == spec_module.PARTIAL).sum())
+    return Weights(compute=visited / total, partial=partial / total, edge=1 / codes.shape[1])
