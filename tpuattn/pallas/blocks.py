@@ -95,17 +95,18 @@ class BlockSizes:
         return cls(ForwardBlocks(block, block), BackwardBlocks(block, block))
 
 
-def as_block_sizes(value, head_dim: int, dtype, pack: int = 1, chip=None) -> BlockSizes:
+def as_block_sizes(value, head_dim: int, dtype, pack: int = 1, chip=None,
+                   seq_len: int | None = None) -> BlockSizes:
     """Normalise the ``blocks`` option: None (defaults), a :class:`tpuattn.options.Blocks` (a size left
     None takes its default), an int, a BlockSizes or ForwardBlocks.
     ``pack``: query heads of a kv head pair's tile a step serves at least (2 with paired heads),
-    ``chip``: as in :func:`default_block_sizes`."""
+    ``chip``, ``seq_len``: as in :func:`default_block_sizes`."""
     if value is None:
-        return default_block_sizes(head_dim, dtype, chip=chip, pack=pack)
+        return default_block_sizes(head_dim, dtype, chip=chip, pack=pack, seq_len=seq_len)
     if isinstance(value, Blocks):
         given = value.set()
         if len(given) < 4:
-            defaults = default_block_sizes(head_dim, dtype, chip=chip, pack=pack)
+            defaults = default_block_sizes(head_dim, dtype, chip=chip, pack=pack, seq_len=seq_len)
             given = dict(block_q=defaults.forward.block_q, block_kv=defaults.forward.block_kv,
                          backward_block_q=defaults.backward.block_q,
                          backward_block_kv=defaults.backward.block_kv) | given
@@ -114,7 +115,8 @@ def as_block_sizes(value, head_dim: int, dtype, pack: int = 1, chip=None) -> Blo
     if isinstance(value, BlockSizes):
         return value
     if isinstance(value, ForwardBlocks):
-        return BlockSizes(value, default_block_sizes(head_dim, dtype, chip=chip, pack=pack).backward)
+        defaults = default_block_sizes(head_dim, dtype, chip=chip, pack=pack, seq_len=seq_len)
+        return BlockSizes(value, defaults.backward)
     if is_int(value):
         return BlockSizes.uniform(_check("block_sizes", value, LANES))
     raise ValueError(
@@ -126,7 +128,8 @@ def as_block_sizes(value, head_dim: int, dtype, pack: int = 1, chip=None) -> Blo
 def blocks_for_spec(value, spec, chip=None) -> BlockSizes:
     """:func:`as_block_sizes` for a problem: its head_dim and dtype, and its layout's ``pack`` (paired
     heads at head_dim 64 have blocks of their own in the compiler's table: a step holds two heads)."""
-    return as_block_sizes(value, spec.head_dim, spec.dtype, Layout.for_spec(spec).pack, chip)
+    return as_block_sizes(value, spec.head_dim, spec.dtype, Layout.for_spec(spec).pack, chip,
+                          max(spec.q_len, spec.kv_len))
 
 
 # --------------------------------------------------------------------------- defaults
@@ -276,8 +279,38 @@ def _from_compiled(chip: chips.Chip, head_dim: int, dtype, pack: int) -> BlockSi
     return BlockSizes(ForwardBlocks(*forward), BackwardBlocks(*backward))
 
 
+TUNED_TABLE = Path(__file__).with_name("tuned_blocks.json")
+
+
+@functools.lru_cache(maxsize=1)
+def tuned_table() -> dict:
+    """The blocks the compiled static estimate chose per chip and sequence length
+    (``python -m tpuattn.aot --tune``: ``{"rows": [...], "command": ..., "versions": ...}``); no rows
+    without the file."""
+    return json.loads(TUNED_TABLE.read_text()) if TUNED_TABLE.exists() else {"rows": []}
+
+
+def _from_tuned(chip: chips.Chip, head_dim: int, dtype, pack: int,
+                seq_len: int | None) -> BlockSizes | None:
+    """The tuned entry of this chip, head_dim and dtype whose sequence length is nearest ``seq_len`` (by
+    ratio); None without a length, with paired heads or where the table has no such entry."""
+    import math
+
+    import jax.numpy as jnp
+
+    if seq_len is None or pack > 1:
+        return None
+    rows = [r for r in tuned_table()["rows"] if r["chip"] == chip.name
+            and r["head_dim"] == padded_head_dim(head_dim) and r["dtype"] == jnp.dtype(dtype).name]
+    if not rows:
+        return None
+    r = min(rows, key=lambda r: abs(math.log(r["seq_len"] / max(seq_len, 1))))
+    return BlockSizes(ForwardBlocks(r["block_q"], r["block_kv"]),
+                      BackwardBlocks(r["backward_block_q"], r["backward_block_kv"]))
+
+
 def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None, chip=None,
-                        pack: int = 1) -> BlockSizes:
+                        pack: int = 1, seq_len: int | None = None) -> BlockSizes:
     """Default blocks: from the compiler's table for the target chip (``chip``, a name or
     :class:`~tpuattn.chips.Chip`; else :func:`tpuattn.chips.target_chip`), otherwise the largest
     square-ish blocks (from 512, 256, 128) whose modelled VMEM need fits the budget.
@@ -291,6 +324,10 @@ def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None, chi
     so a TPU's blocks come from the paired table (compiled with a pair; on v3 float32 the backward
     gets 512 x 128, where head_dim 128's 512 x 512 spills) or fit the model at two heads a
     step. Interpret mode has no VMEM to fit, and keeps one head's blocks.
+
+    ``seq_len`` given (:func:`blocks_for_spec` passes the problem's): where ``tuned_blocks.json`` (the
+    blocks the compiled static estimate chose, ``python -m tpuattn.aot --tune``) has entries for the chip,
+    head_dim and dtype, the one of the nearest sequence length wins over the compiler's table.
     """
     import jax.numpy as jnp
 
@@ -298,6 +335,9 @@ def default_block_sizes(head_dim: int, dtype, vmem_bytes: int | None = None, chi
     if vmem_bytes is None:
         target = chips.get(chip) if isinstance(chip, str) else (chip or chips.target_chip())
         if target is not None:
+            tuned = _from_tuned(target, head_dim, dtype, pack, seq_len)
+            if tuned is not None:
+                return tuned
             compiled = _from_compiled(target, head_dim, dtype, pack)
             if compiled is not None:
                 return compiled
