@@ -151,15 +151,36 @@ def estimate_pallas(chip: str, seq_len: int, mode: str, blocks: dict, **problem)
     started = time.perf_counter()
     row = dict(chip=chip, seq_len=seq_len, mode=mode, **blocks, seconds=None, error=None)
     try:
-        result = estimate.estimate(pallas_code(seq_len, mode, blocks, **problem), chip,
-                                   pallas_weights(seq_len, blocks, (dict(CLASS) | problem)["causal"]))
+        weights = pallas_weights(seq_len, blocks, (dict(CLASS) | problem)["causal"])
+        result, counts = _estimate_with_counts(pallas_code(seq_len, mode, blocks, **problem), chip, weights)
         row["seconds"] = result.seconds
         row["kernels"] = _by_kernel(result)
+        row["static"] = counts
     except Exception as error:  # noqa: BLE001 - a candidate that does not compile is a row with its reason
         row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
     row["compile_s"] = round(time.perf_counter() - started, 1)
     row["label"] = LABEL
     return row
+
+
+def _estimate_with_counts(code: str, chip: str, weights) -> tuple[estimate.Estimate, dict]:
+    """The estimate and, per Pallas kernel, its static counts (:func:`tpuattn.measure.static.kernel_static`:
+    loop bundles, vmatmul, vector-ALU and EUP instructions of one grid step) from the same dump."""
+    import tempfile
+
+    from tpuattn.measure import static
+
+    with tempfile.TemporaryDirectory(prefix="tpuattn_tune_") as scratch:
+        result = estimate.estimate(code, chip, weights, out_dir=scratch)
+        counts = {}
+        for name in static.kernel_names(scratch):
+            try:
+                k = static.kernel_static(scratch, name, chip)
+            except (ValueError, OSError):
+                continue
+            counts[name] = dict(bundles=k.bundles, loop_bundles=k.loop_bundles, vmatmul=k.vmatmul,
+                                ideal_vmatmul=k.ideal_vmatmul, valu=k.valu, eup=k.eup)
+    return result, counts
 
 
 def _by_kernel(result: estimate.Estimate) -> dict:
@@ -270,9 +291,10 @@ def compare_row(chip: str, impl: str, seq_len: int, mode: str, heads: str) -> di
             weights = None  # its kernels weighed as if every grid step computed: an upper bound
         else:
             raise ValueError(f"impl: expected 'pallas', 'splash' or 'tokamax', got {impl!r}")
-        result = estimate.estimate(code, chip, weights)
+        result, counts = _estimate_with_counts(code, chip, weights)
         row["seconds"] = result.seconds
         row["kernels"] = _by_kernel(result)
+        row["static"] = counts
     except Exception as error:  # noqa: BLE001 - a program that does not compile is a row with its reason
         row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
     row["compile_s"] = round(time.perf_counter() - started, 1)
