@@ -95,6 +95,10 @@ GRAD_CASES = {  # lengths not multiples of the block, rows and q blocks that see
     "causal-empty-rows": dict(q_len=40, kv_len=17, q_heads=2, kv_heads=2, kw=dict(causal=True)),
     "window-both-sides-mqa": dict(q_len=30, kv_len=50, q_heads=3, kv_heads=1, kw=dict(window=(7, 4))),
     "plain-scale": dict(q_len=20, kv_len=20, q_heads=2, kv_heads=2, kw=dict(scale=0.3)),
+    # Segment ids: query rows of segment 9 see no key; ids are masked inside the position-visible tiles.
+    "segments-causal": dict(q_len=27, kv_len=27, q_heads=2, kv_heads=1,
+                            kw=dict(causal=True, segment_ids=(np.array([[0] * 9 + [9] * 4 + [1] * 14] * 2),
+                                                              np.array([[0] * 13 + [1] * 14] * 2)))),
 }
 
 
@@ -122,14 +126,17 @@ def test_lesson_bfloat16_with_the_default_blocks():
     _close(out.astype(jnp.float32), want, tol=2e-2)
 
 
-@pytest.mark.parametrize("kw, feature", [
-    (dict(segment_ids=np.zeros((1, 16), np.int32)), "segment_ids"),
-    (dict(softcap=5.0), "softcap"),
-])
-def test_lesson_refuses_what_it_lacks_naming_the_feature(kw, feature):
+def test_lesson_refuses_a_softcap_by_name():
     q, k, v = _qkv(9, 16, 16)
-    with pytest.raises(UnsupportedInput, match=f"does not support.*{feature}"):
-        tpuattn.attention(q, k, v, impl="lesson", **kw)
+    with pytest.raises(UnsupportedInput, match="does not support.*softcap"):
+        tpuattn.attention(q, k, v, impl="lesson", softcap=5.0)
+
+
+def test_lesson_refuses_second_derivatives_by_name():
+    q, k, v = _qkv(13, 16, 16)
+    loss = lambda q: jnp.sum(tpuattn.attention(q, k, v, causal=True, impl="lesson") ** 2)
+    with pytest.raises(NotImplementedError, match="impl='lesson' has no second derivatives"):
+        jax.jvp(jax.grad(loss), (q,), (q,))
 
 
 @pytest.mark.parametrize("options, message", [

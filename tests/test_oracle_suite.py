@@ -17,8 +17,7 @@ IMPLS = tpuattn.implementations()
 
 
 def _supported(impl, case, q, k, v, kw):
-    dtype = q.dtype if case is None else case.dtype
-    *_, spec = make_spec(*(jnp.asarray(x, dtype) for x in (q, k, v)), **kw)
+    *_, spec = make_spec(*(jnp.asarray(x, case.dtype) for x in (q, k, v)), **kw)
     return get_implementation(impl).supports(spec)
 
 
@@ -86,10 +85,6 @@ def test_rows_that_see_nothing_are_zero_with_zero_gradient(impl):
     q_seg = np.array([[0, 9, 0, 9, 1, 1]], np.int32)  # segment 9 has no keys
     kv_seg = np.array([[0, 0, 1, 1, 1, 1]], np.int32)
     kw = dict(segment_ids=(q_seg, kv_seg))
-    if _supported(impl, None, q, k, v, kw) is not None:  # no segment ids (lesson): a clear refusal
-        with pytest.raises(ValueError, match="does not support"):
-            tpuattn.attention(q, k, v, impl=impl, **kw)
-        return
     # One compiled function for the output and the gradient of sum(out) (op by op, the interpreted
     # kernels spend tens of seconds dispatching).
     out, (dq, _, _) = _forward_and_gradients(impl, kw, True)(q, k, v, jnp.ones(q.shape, jnp.float32))

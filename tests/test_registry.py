@@ -49,7 +49,7 @@ def test_importing_the_bottom_layers_loads_no_implementation():
         assert not loaded, loaded
         # Names are known without importing anything.
         assert tpuattn.known_implementations() == ("reference", "xla", "blockwise", "pallas", "splash",
-                                                   "tokamax")
+                                                   "tokamax", "lesson")
         assert tpuattn.decode.known_implementations()[:2] == ("reference", "pallas")
         assert not [m for m in sys.modules if m.startswith(prefixes)]
         # A named implementation imports its own module only.
