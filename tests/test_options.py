@@ -16,9 +16,9 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_qkv
+from helpers import assert_grads_close, random_qkv
 from jax.sharding import Mesh
-from oracle import oracle_attention
+from oracle import oracle_attention, oracle_grads
 
 import tpuattn
 from tpuattn import api, chips, options, parallel
@@ -169,6 +169,19 @@ def test_blocks_and_their_old_spelling_give_the_oracles_answer(impl):
     for kwargs in (dict(blocks=Blocks(block_q=128, block_kv=128)), dict(block_q=128, block_kv=128)):
         got = tpuattn.attention(q, k, v, causal=True, impl=impl, **kwargs)
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["splash", "pallas"])
+def test_backward_blocks_of_their_own_give_the_oracles_gradients(impl):
+    if impl not in tpuattn.implementations():
+        pytest.skip(f"{impl} not available")
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, 256, 256, q_heads=2, kv_heads=1, head_dim=32)
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    blocks = Blocks(block_q=128, block_kv=128, backward_block_q=256, backward_block_kv=256)
+    loss = lambda q, k, v: jnp.sum(tpuattn.attention(q, k, v, causal=True, impl=impl, blocks=blocks) * d_out)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert_grads_close(grads, oracle_grads(q, k, v, d_out, causal=True), tol=1e-4)
 
 
 def test_pallas_runs_the_blocks_it_is_given():
