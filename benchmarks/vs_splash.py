@@ -57,6 +57,54 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def _ms(value) -> str:
+    return "-" if value is None else f"{value * 1e3:.3f}"
+
+
+def markdown(rows) -> str:
+    """The side-by-side table as Markdown, then, for every cell where the package is slower than splash,
+    where the time goes: each program's estimate split by kernel (outside the kernels: XLA's ops and the
+    program's own bundles and copies) and each Pallas kernel's grid step read from the bundles."""
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["chip"], r["seq_len"], r["mode"], r["heads"]), {})[r["impl"]] = r
+    has_tokamax = any(r["impl"] == "tokamax" for r in rows)
+    head = ("| chip | tokens | mode | heads | package ms (blocks) | splash ms |"
+            + (" tokamax ms |" if has_tokamax else "") + " package / splash |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    slower = []
+    for key in sorted(cells):
+        got = cells[key]
+        p, s, t = got.get("pallas"), got.get("splash"), got.get("tokamax")
+        blocks = ""
+        if p and p.get("blocks"):
+            b = p["blocks"]
+            backward = "backward_block_q" in b and key[2] != "fwd"
+            blocks = (f" ({b['block_q']}x{b['block_kv']}"
+                      + (f", bwd {b['backward_block_q']}x{b['backward_block_kv']})" if backward else ")"))
+        ratio = p["seconds"] / s["seconds"] if p and s and p["seconds"] and s["seconds"] else None
+        heads = "8 / 8" if key[3] == "mha" else "16 / 2"
+        line = (f"| {key[0]} | {key[1]} | {key[2]} | {heads} | {_ms(p and p['seconds'])}{blocks} | "
+                f"{_ms(s and s['seconds'])} |")
+        if has_tokamax:
+            line += f" {_ms(t and t['seconds'])} |"
+        lines.append(line + (f" {ratio:.2f} |" if ratio else " - |"))
+        if ratio and ratio > 1.0:
+            slower.append((key, p, s, ratio))
+    if slower:
+        lines += ["", "| cell | program | kernel or part | estimate ms | loop bundles | vmatmul (ideal) "
+                      "| valu | eup |", "|---|---|---|---|---|---|---|---|"]
+        for key, p, s, ratio in slower:
+            cell = f"{key[0]} {key[1]} {key[2]} {key[3]} ({ratio:.2f}x)"
+            for name, r in (("package", p), ("splash", s)):
+                for kernel, secs in sorted((r.get("kernels") or {}).items(), key=lambda kv: -kv[1]):
+                    c = (r.get("static") or {}).get(kernel)
+                    counts = "- | - | - | -" if not c else (f"{c['loop_bundles']} | {c['vmatmul']} "
+                                                            f"({c['ideal_vmatmul']}) | {c['valu']} | {c['eup']}")
+                    lines.append(f"| {cell} | {name} | {kernel} | {secs * 1e3:.3f} | {counts} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     from tpuattn.measure import aot, tune
 
@@ -66,6 +114,7 @@ def main(argv=None):
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--heads", default="mha,gqa")
     parser.add_argument("--impls", default="pallas,splash", help="from pallas, splash, tokamax")
+    parser.add_argument("--markdown", action="store_true", help="--merge: print the book's Markdown tables")
     parser.add_argument("--merge", default=None, metavar="FILES",
                         help="instead: print the table of these comma-separated JSON files' rows together")
     parser.add_argument("--json", default="out/vs_splash.json")
@@ -76,7 +125,7 @@ def main(argv=None):
         for f in split(args.merge):
             doc = json.loads(Path(f).read_text())
             rows += tune.package_rows(doc) if doc.get("kind") == "tuned" else doc["rows"]
-        print(table(rows))
+        print(markdown(rows) if args.markdown else table(rows))
         return rows
     impls = split(args.impls)
     rows = []

@@ -316,6 +316,7 @@ def package_rows(doc: dict) -> list[dict]:
                 r = match[0]
                 found.append(dict(chip=e["chip"], impl="pallas", seq_len=e["seq_len"], mode=mode, heads="mha",
                                   seconds=r["seconds"], error=None, kernels=r.get("kernels"),
+                                  static=r.get("static"),
                                   blocks={f: r[f] for f in fields}, label=LABEL))
     return found
 
