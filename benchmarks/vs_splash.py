@@ -99,8 +99,9 @@ def markdown(rows) -> str:
             for name, r in (("package", p), ("splash", s)):
                 for kernel, secs in sorted((r.get("kernels") or {}).items(), key=lambda kv: -kv[1]):
                     c = (r.get("static") or {}).get(kernel)
-                    counts = "- | - | - | -" if not c else (f"{c['loop_bundles']} | {c['vmatmul']} "
-                                                            f"({c['ideal_vmatmul']}) | {c['valu']} | {c['eup']}")
+                    counts = "- | - | - | -"
+                    if c:
+                        counts = f"{c['loop_bundles']} | {c['vmatmul']} ({c['ideal_vmatmul']}) | {c['valu']} | {c['eup']}"
                     lines.append(f"| {cell} | {name} | {kernel} | {secs * 1e3:.3f} | {counts} |")
     return "\n".join(lines)
 
