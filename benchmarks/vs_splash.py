@@ -101,7 +101,8 @@ def markdown(rows) -> str:
                     c = (r.get("static") or {}).get(kernel)
                     counts = "- | - | - | -"
                     if c:
-                        counts = f"{c['loop_bundles']} | {c['vmatmul']} ({c['ideal_vmatmul']}) | {c['valu']} | {c['eup']}"
+                        vmatmul = f"{c['vmatmul']} ({c['ideal_vmatmul']})"
+                        counts = f"{c['loop_bundles']} | {vmatmul} | {c['valu']} | {c['eup']}"
                     lines.append(f"| {cell} | {name} | {kernel} | {secs * 1e3:.3f} | {counts} |")
     return "\n".join(lines)
 
