@@ -206,8 +206,7 @@ class Choice:
     options: tuple[str, ...] = ()  # the chosen one's options (tpuattn.options_of), old spellings aside
 
     def __str__(self) -> str:
-        takes = f"; its options: {', '.join(self.options)}" if self.options else "; it takes no options"
-        return f"{self.impl} on {self.backend}: {self.reason}{takes}"
+        return f"{self.impl} on {self.backend}: {self.reason}"
 
 
 @dataclasses.dataclass(frozen=True)
