@@ -208,6 +208,33 @@ def test_parallel_with_sinks_matches_the_oracle(case):
                                err_msg="dsinks")
 
 
+def test_the_contract_and_the_ring_share_one_partial_result_backward(monkeypatch):
+    """``tpuattn.sinks.partial_backward`` is the one backward of partial results (delta summed, then the
+    gradients, the sinks' gradient apart): the contract's sinks and the ring, with sinks or without,
+    differentiate through it (their gradients against the oracle: the tests above)."""
+    from jax.sharding import Mesh
+
+    from tpuattn import parallel
+    from tpuattn import sinks as attention_sinks
+
+    calls = []
+    shared = attention_sinks.partial_backward
+
+    def spy(sinks, *args, **kwargs):
+        calls.append(sinks is not None)
+        return shared(sinks, *args, **kwargs)
+
+    monkeypatch.setattr(attention_sinks, "partial_backward", spy)
+    mesh = Mesh(np.array(jax.devices()[:2]), ["s"])
+    q, k, v = random_qkv(np.random.default_rng(5), 12, 12, q_heads=2, kv_heads=1, head_dim=4)
+    z = jnp.asarray([1.0, -1.0])
+    ring = dict(mesh=mesh, seq_axis="s", impl="reference")
+    jax.grad(lambda q, z: jnp.sum(tpuattn.attention(q, k, v, sinks=z, impl="reference")), (0, 1))(q, z)
+    jax.grad(lambda q, z: jnp.sum(parallel.attention(q, k, v, sinks=z, **ring)), (0, 1))(q, z)
+    jax.grad(lambda q: jnp.sum(parallel.attention(q, k, v, **ring)))(q)
+    assert calls == [True, True, False]
+
+
 # The contract inside a user's own jax.shard_map (default checks): the batch sharded over 4 devices and
 # the sinks replicated (P()). Each device's rows give a share of the sinks' gradient; the gradient is
 # the sum of the shares (before: a raw custom-VJP type error for the implementations with partial

@@ -56,6 +56,27 @@ def sink_probability(sinks, part: softmax.Partial):
     return jnp.where(seen, jnp.exp((z - jnp.where(seen, part.m, 0.0)) - part.log_l), 0.0)
 
 
+def sink_gradient(sinks, m, log_l, delta):
+    """``dz_h = -sum over batch and rows of p_sink * delta`` (``[heads]``, float32) from the merged
+    statistics ``m``, ``log_l`` and the rows' ``delta = rowsum(P * dP)``, all ``[batch, heads, q_len]``."""
+    p_sink = sink_probability(sinks, softmax.Partial(None, m, log_l))
+    return -jnp.sum(p_sink * delta, axis=(0, 2))
+
+
+def partial_backward(sinks, m, log_l, row_sums, gradients):
+    """The backward of attention made of partial results, whatever holds the keys (one kernel call
+    here, a ring of blocks in :mod:`tpuattn.parallel.ring`): ``(dq, dk, dv, d_sinks)``.
+
+    ``m``, ``log_l``: the merged statistics of the whole row (the sink's part in them, when there are
+    sinks). ``row_sums()`` -> ``delta = rowsum(P * dP)`` ``[batch, heads, q_len]``, summed over every
+    block of the row; ``gradients(delta)`` -> ``(dq, dk, dv)`` summed over the blocks. The sink has no
+    value, so it adds nothing to either: its gradient is apart, :func:`sink_gradient` of the same
+    ``delta`` (None without sinks)."""
+    delta = row_sums()
+    dq, dk, dv = gradients(delta)
+    return dq, dk, dv, (None if sinks is None else sink_gradient(sinks, m, log_l, delta))
+
+
 def attention(ops, q, k, v, segment_ids, spec, sinks, **options):
     """Attention with ``sinks`` through an implementation's :class:`~tpuattn.registry.PartialOps`
     (``ops``): differentiable in ``q``, ``k``, ``v`` and ``sinks``; an array of q's shape and dtype."""
@@ -87,13 +108,14 @@ def _with_sinks_fwd(q, k, v, segment_ids, sinks, config):
 def _with_sinks_bwd(config, residuals, d_out):
     ops, spec, options = config
     q, k, v, segment_ids, sinks, m, log_l = residuals
-    delta = ops.row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **dict(options))
-    dq, dk, dv = ops.backward(q, k, v, segment_ids, spec, m, log_l, d_out, delta, **dict(options))
-    p_sink = sink_probability(sinks, softmax.Partial(None, m, log_l))
-    d_sinks = -jnp.sum(p_sink * delta, axis=(0, 2))
+    dq, dk, dv, d_sinks = partial_backward(
+        sinks, m, log_l,
+        row_sums=lambda: ops.row_sums(q, k, v, segment_ids, spec, m, log_l, d_out, **dict(options)),
+        gradients=lambda delta: ops.backward(q, k, v, segment_ids, spec, m, log_l, d_out, delta,
+                                             **dict(options)))
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks)
 
 
 _with_sinks.defvjp(_with_sinks_fwd, _with_sinks_bwd)
 
-__all__ = ["attention", "sink_partial", "sink_probability"]
+__all__ = ["attention", "partial_backward", "sink_gradient", "sink_partial", "sink_probability"]

@@ -196,12 +196,9 @@ def _ring_backward(cfg: _Ring, residuals, d_out):
                                        _segs(q_segs[i], kv_segs[j]), ms[i], logs[i], dos[i])
         return deltas
 
-    deltas = _ring_loop(cfg, delta_step, [zeros(x.shape) for x in ms], (k, v, kv_seg))
-    # The sinks' gradient (tpuattn.sinks): -sum p_sink * delta over this device's rows (and batch);
-    # shard_map's transpose sums it over the devices the sinks were marked varying across.
-    d_sinks = None if sinks is None else -sum(
-        jnp.sum(attention_sinks.sink_probability(sinks, softmax.Partial(None, m_, l_)) * d, axis=(0, 2))
-        for m_, l_, d in zip(ms, logs, deltas, strict=True))
+    def ring_row_sums():
+        deltas = _ring_loop(cfg, delta_step, [zeros(x.shape) for x in ms], (k, v, kv_seg))
+        return _join(deltas, 2)
 
     # Ring 2: dQ stays home; dK/dV travel with their K/V and are sent home after the last step.
     def grads(spec):
@@ -211,29 +208,38 @@ def _ring_backward(cfg: _Ring, residuals, d_out):
 
         return add
 
-    branches = [grads(spec) for spec in plan.specs] + [lambda acc, *_: acc]
-    def grad_step(s, carry, held, branches=branches):
-        dqs, (dk_acc, dv_acc) = list(carry[0]), carry[1]
-        ks, vs, kv_segs = held_chunks(held)
-        dks, dvs = _split(dk_acc, c, 1), _split(dv_acc, c, 1)
-        for i in range(c):
-            for j in range(c):
-                idx = _branch_index(cfg, table, s, i, j, q_segs[i], kv_segs[j])
-                acc = (dqs[i], dks[j], dvs[j])
-                dqs[i], dks[j], dvs[j] = lax.switch(idx, branches, acc, qs[i], ks[j], vs[j],
-                                                    _segs(q_segs[i], kv_segs[j]), ms[i], logs[i], dos[i],
-                                                    deltas[i])
-        return dqs, (_join(dks, 1), _join(dvs, 1))
+    def ring_gradients(delta):
+        deltas = _split(delta, c, 2)
+        branches = [grads(spec) for spec in plan.specs] + [lambda acc, *_: acc]
 
-    # The accumulators follow their K/V to the next device after every step but the last; after it
-    # they are ``steps - 1`` devices downstream, and go straight home.
-    send_on = lambda carry: (carry[0], _ppermute(carry[1], cfg.axis, n, 1))
-    dqs, (dk_acc, dv_acc) = _ring_loop(cfg, grad_step, ([zeros(x.shape) for x in qs],
-                                                         (zeros(k.shape), zeros(v.shape))),
-                                       (k, v, kv_seg), after=send_on)
-    if (plan.steps - 1) % n:
-        dk_acc, dv_acc = _ppermute((dk_acc, dv_acc), cfg.axis, n, -(plan.steps - 1))
-    return (_join(dqs, 1).astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype), d_sinks)
+        def grad_step(s, carry, held):
+            dqs, (dk_acc, dv_acc) = list(carry[0]), carry[1]
+            ks, vs, kv_segs = held_chunks(held)
+            dks, dvs = _split(dk_acc, c, 1), _split(dv_acc, c, 1)
+            for i in range(c):
+                for j in range(c):
+                    idx = _branch_index(cfg, table, s, i, j, q_segs[i], kv_segs[j])
+                    acc = (dqs[i], dks[j], dvs[j])
+                    dqs[i], dks[j], dvs[j] = lax.switch(idx, branches, acc, qs[i], ks[j], vs[j],
+                                                        _segs(q_segs[i], kv_segs[j]), ms[i], logs[i], dos[i],
+                                                        deltas[i])
+            return dqs, (_join(dks, 1), _join(dvs, 1))
+
+        # The accumulators follow their K/V to the next device after every step but the last; after it
+        # they are ``steps - 1`` devices downstream, and go straight home.
+        send_on = lambda carry: (carry[0], _ppermute(carry[1], cfg.axis, n, 1))
+        dqs, (dk_acc, dv_acc) = _ring_loop(cfg, grad_step, ([zeros(x.shape) for x in qs],
+                                                             (zeros(k.shape), zeros(v.shape))),
+                                           (k, v, kv_seg), after=send_on)
+        if (plan.steps - 1) % n:
+            dk_acc, dv_acc = _ppermute((dk_acc, dv_acc), cfg.axis, n, -(plan.steps - 1))
+        return _join(dqs, 1), dk_acc, dv_acc
+
+    # The backward every partial-result attention shares (tpuattn.sinks): delta summed over the ring,
+    # then the gradients summed over it, and the sinks' gradient apart (-sum p_sink * delta over this
+    # device's rows; shard_map's transpose sums it over the devices the sinks were marked varying across).
+    dq, dk, dv, d_sinks = attention_sinks.partial_backward(sinks, m, log_l, ring_row_sums, ring_gradients)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
