@@ -226,14 +226,17 @@ def calibrate(model, prompts, dtype: str, *, headroom: float = 1.25, impl: str |
     if not (isinstance(headroom, int | float) and headroom >= 1):
         raise ValueError(f"headroom: expected a number >= 1, got {headroom!r}")
     prompts, _ = _check_prompts(prompts, 1)
-    graphdef, state = nnx.split(model)
-    prefill = jax.jit(lambda state, tokens: nnx.merge(graphdef, state).prefill(tokens, impl=impl)[1])
+    # One prefill of every prompt, padded at the end to the longest (causal: padding after a prompt
+    # changes none of its keys and values); the padding's rows are left out of the maximum.
+    tokens = np.zeros((len(prompts), max(len(p) for p in prompts)), np.int32)
+    for i, prompt in enumerate(prompts):
+        tokens[i, :len(prompt)] = prompt
+    valid = np.arange(tokens.shape[1])[None] < np.array([len(p) for p in prompts])[:, None]
     amax = np.zeros((2, model.config.layers, model.config.kv_heads))
-    for prompt in prompts:
-        for layer, kv in enumerate(prefill(state, prompt[None])):
-            for which in (0, 1):
-                x = np.abs(np.asarray(kv[which], np.float32))  # [1, seq, kv_heads, head_dim]
-                amax[which, layer] = np.maximum(amax[which, layer], x.max(axis=(0, 1, 3)))
+    for layer, kv in enumerate(model.prefill(jnp.asarray(tokens), impl=impl)[1]):
+        for which in (0, 1):
+            x = np.abs(np.asarray(kv[which], np.float32))  # [prompts, seq, kv_heads, head_dim]
+            amax[which, layer] = np.where(valid[:, :, None, None], x, 0).max(axis=(0, 1, 3))
     scales = np.where(amax > 0, amax * headroom / QMAX[dtype], 1.0).astype(np.float32)
     return jnp.asarray(scales[0]), jnp.asarray(scales[1])
 
