@@ -55,6 +55,6 @@ def test_parallel_block_sizes_reach_pallas_compiled_for_v5e(impl, kwargs, block_
 def test_parallel_refuses_a_block_pallas_cannot_tile_before_compiling():
     mesh, x = _abstract_inputs()
     with chips.target("v5e"), pytest.raises(TpuattnError, match=r"^blocks\.block_kv: expected a multiple of "
-                                                                  r"128 for impl='pallas'"):
+                                                                  r"128, got 200 \(impl='pallas'"):
         jax.jit(lambda q, k, v: parallel.attention(q, k, v, mesh=mesh, head_axis="h", causal=True,
                                                    block_kv=200)).lower(x, x, x)

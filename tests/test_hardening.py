@@ -248,7 +248,7 @@ def test_numpy_integers_are_accepted_wherever_ints_are():
             out = tpuattn.attention(q, k, v, causal=True, window=window, impl=impl, **opts)
             np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-5, rtol=2e-5, err_msg=impl)
     for bad in (True, 1.5, np.float32(128)):
-        with pytest.raises(ValueError, match="^block_q: expected a positive int"):
+        with pytest.raises(ValueError, match=r"^blocks\.block_q: expected a positive int"):
             tpuattn.attention(q, k, v, impl="blockwise", block_q=bad)
 
 

@@ -62,8 +62,8 @@ class Blocks:
             if value is None:
                 continue
             if not is_int(value) or value < 1:
-                raise TpuattnError(f"blocks.{field.name}: expected None (the implementation's default) or "
-                                   f"a positive int, got {value!r}")
+                raise TpuattnError(f"blocks.{field.name}: expected a positive int, got {value!r} (or None: "
+                                   f"the implementation's default)")
             object.__setattr__(self, field.name, int(value))
 
     @classmethod
@@ -137,7 +137,7 @@ def resolve_interpret(interpret, impl: str, *, backend: str | None = None, simul
             return interpret
         raise TpuattnError(f"interpret: expected None, True, False, 'simulate' or a pltpu.InterpretParams "
                            f"for impl='{impl}', got {interpret!r}")
-    raise TpuattnError(f"interpret: expected None, True or False for impl='{impl}', got {interpret!r}")
+    raise TpuattnError(f"interpret: expected a bool or None for impl='{impl}', got {interpret!r}")
 
 
 def _check_interpret(interpret, impl: str, simulate: bool) -> None:
@@ -149,7 +149,7 @@ def _check_interpret(interpret, impl: str, simulate: bool) -> None:
     if simulate and type(interpret).__name__ == "InterpretParams":
         return
     allowed = ("None, True, False, 'simulate' or a pltpu.InterpretParams" if simulate
-               else "None, True or False")
+               else "a bool or None")
     raise TpuattnError(f"interpret: expected {allowed} for impl='{impl}', got {interpret!r}")
 
 
@@ -259,8 +259,8 @@ class Options(metaclass=_Declared):
                                    f"{sorted(tiles)}), got {value}")
             multiple, why = tiles[name]
             if value % multiple:
-                raise TpuattnError(f"blocks.{name}: expected a multiple of {multiple} for "
-                                   f"impl='{self.IMPL}' ({why}), got {value}")
+                raise TpuattnError(f"blocks.{name}: expected a multiple of {multiple}, got {value} "
+                                   f"(impl='{self.IMPL}': {why})")
 
 
 _ANY = (1, "")
