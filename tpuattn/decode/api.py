@@ -83,7 +83,12 @@ def attention(q, k_cache, v_cache, lengths, *, page_table=None, cu_q_lens=None, 
       k_scale, v_scale: float32 ``[]`` (per tensor) or ``[kv_heads]`` (per kv head), both or neither;
         required for a quantized cache: the key (value) at a cache entry is ``entry * k_scale[kv head]``
         (``v_scale``), in float32. :func:`tpuattn.decode.quantize` makes entries and scales and
-        :func:`tpuattn.decode.write` stores new keys or values into pages, quantizing them.
+        :func:`tpuattn.decode.write` stores new keys or values into pages, quantizing them. Accuracy
+        (measured, ``pytest tests/test_decode_quant.py -k accuracy -s``, JAX 0.10.2 on a CPU, inputs
+        ~N(0, 1), float32 queries): ``reference`` and ``pallas`` are within 1e-6 of the float64 oracle
+        on the dequantized values (4e-7 to 8e-7, the test allows 2e-5), for both dtypes; quantizing
+        itself moves the output by 2.0e-2 to 2.8e-2 (int8) and 1.4e-1 to 1.6e-1 (fp8 e4m3) against the
+        full-width cache (max abs, per kv head to per tensor).
       scale: logits are ``scale * q.k``; default ``1 / sqrt(head_dim)``.
       window: an int ``w`` or ``(left, right)`` as in :func:`tpuattn.attention`, relative to each
         query's position (with the causal mask only ``left`` narrows anything).

@@ -241,8 +241,16 @@ def _row_position(rows: int, cols: int, q_len: int):
 
 
 def _head(ref, h: int):
-    """kv head ``h`` of a K/V block ``[block, heads, d]`` (``[block, d]``: the cache's one kv head)."""
+    """kv head ``h`` of a K/V block ``[block, heads, d]`` (``[block, d]``: the cache's one kv head), a
+    ref or a value."""
     return ref[...] if len(ref.shape) == 2 else ref[:, h, :]
+
+
+def _widen(x, dtype):
+    """A quantized block ``[block, heads, d]`` (or ``[block, d]``) in ``dtype``, converted whole before
+    a head is sliced out (converting one strided head of int8 aborts the v6e compiler of libtpu for
+    JAX 0.10.2, in ``tpu_itofp_rule``)."""
+    return x.astype(jnp.float32).astype(dtype)
 
 
 def _decode_kernel(*refs, num_prefetch, k_scaled, q_len, left, block, per_step, chunk_steps, heads, scale,
@@ -269,10 +277,10 @@ def _decode_kernel(*refs, num_prefetch, k_scaled, q_len, left, block, per_step, 
             keep &= key >= query - left
         dtype = q_ref.dtype  # the compute dtype: a quantized cache's entries are cast to it (exactly)
         sees = jnp.where(keep, 1.0, 0.0).astype(dtype)  # [rows, block]
+        if k_ref.dtype != dtype:  # int8 / fp8 entries, widened a block at a time (exact in bf16 and f32)
+            k_ref, v_ref = _widen(k_ref[...], dtype), _widen(v_ref[...], dtype)
         for h in range(heads):
             q, k, v = q_ref[h], _head(k_ref, h), _head(v_ref, h)  # [rows, d], [block, d], [block, d]
-            if k.dtype != dtype:  # int8 / fp8 entries: every value is exact in bf16 and f32
-                k, v = k.astype(jnp.float32).astype(dtype), v.astype(jnp.float32).astype(dtype)
             # The contract's rule for non-finite values: they reach exactly the rows that see them.
             # A block's rows past the length, or outside a row's window, hold whatever the cache holds
             # (other data, NaN). A logit that is not finite (NaN or Inf in k) is NaN before the mask and
