@@ -44,7 +44,10 @@ from tpuattn.measure import static
 LABEL = "compiled (static estimate, not run)"
 
 _LINE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+([A-Z]{2})?:\s*(>*)\s*\{")
-_BRANCH = re.compile(r"sbr\.rel \(([^)]*)\) target = \$region(\d+)")
+# A branch names its target region: "target = $region40" (JAX 0.10.2's libtpu) or "target bundleno = 304
+# (0x130), region = 40" (0.7.2's).
+_BRANCH = re.compile(r"sbr\.rel \(([^)]*)\) target (?:= \$region(\d+)|bundleno = \d+ \(0x[0-9a-f]+\), "
+                     r"region = (\d+))")
 _EXIT = re.compile(r"scmp\.ge\.s32\.totalorder %\w+, (\d+) /\* loop exit test \*/")
 # A copy the loop starts (not the bounds check's comment that repeats it), and the block it moves.
 _DMA_IN = re.compile(r"(?:\{|;;)\s*%\w+ = dma\.hbm_to_vmem\b")
@@ -171,7 +174,8 @@ def regions(bundles: list[Bundle], weights: Weights | None) -> list[Region]:
     computation, every region counted as run)."""
     raw = []
     for index, bundle in enumerate(bundles):
-        for _predicate, target in _BRANCH.findall(bundle.text):
+        for _predicate, newer, older in _BRANCH.findall(bundle.text):
+            target = newer or older
             stop = _region_stop(bundles, index, target)
             if stop is None:
                 continue
