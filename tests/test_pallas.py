@@ -445,12 +445,13 @@ def test_block_size_validation_names_the_constraint(make, message):
 
 def test_bad_options_are_refused_through_the_contract():
     q = jnp.zeros((1, 8, 1, 8), jnp.float32)
-    with pytest.raises(ValueError, match=r"block_sizes: expected a multiple of 128 .* got 96"):
+    # block_sizes=, the old spelling, is read as blocks=Blocks.uniform(96): 96 keys are not whole lanes.
+    with pytest.raises(ValueError, match=r"^blocks\.block_kv: expected a multiple of 128, got 96"):
         tpuattn.attention(q, q, q, impl="pallas", block_sizes=96)
-    with pytest.raises(ValueError, match="block_sizes: expected None, an int"):
+    with pytest.raises(ValueError, match="^block_sizes: expected None, a tpuattn.options.Blocks or a positive"):
         tpuattn.attention(q, q, q, impl="pallas", block_sizes="big")
-    with pytest.raises(ValueError, match=r"pallas: unknown option\(s\) \['block_q'\]"):
-        tpuattn.attention(q, q, q, impl="pallas", block_q=128)
+    with pytest.raises(ValueError, match=r"^pallas: unknown option\(s\) \['tile'\]"):
+        tpuattn.attention(q, q, q, impl="pallas", tile=128)
 
 
 def test_default_block_sizes_follow_the_vmem_budget():

@@ -209,7 +209,7 @@ class Options(metaclass=_Declared):
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]):
-        """The record of a call's keyword ``options`` (a record passes through as ``options=record``).
+        """The record of a call's keyword ``options`` (a record of this type is returned as it is).
 
         Refuses a name the implementation does not take (naming it and the ones it does), and the
         same setting given twice (``blocks=`` with an old spelling of it)."""
