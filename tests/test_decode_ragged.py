@@ -228,3 +228,34 @@ def test_num_seqs_hides_the_entries_past_it():
                            num_seqs=1, impl="reference")
     np.testing.assert_array_equal(np.asarray(out)[2:], 0.0)
     np.testing.assert_allclose(np.asarray(out)[:2], 1.0, rtol=1e-6)  # every value 1
+
+
+@pytest.mark.parametrize("seed", [12, 13])
+def test_fuzz_ragged_batches(seed):
+    """Random ragged batches: query lengths from 0 to past the sequence's length, lengths from 0 to the
+    capacity, a random page table, GQA, a window or none, per-kv-head int8 scales on odd seeds; every
+    implementation that takes them against the oracle (pallas with a random q_block)."""
+    rng = np.random.default_rng(seed)
+    b, heads, kv_heads, d = int(rng.integers(1, 6)), 4, int(rng.choice([1, 2, 4])), 16
+    lengths = rng.integers(0, PAGE * PPS + 1, b).astype(np.int32)
+    lengths[rng.integers(b)] = PAGE * PPS  # one at the capacity
+    q_lens = np.minimum(rng.integers(0, 14, b), lengths + 2)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    total = max(int(cu[-1]) + int(rng.integers(0, 3)), 1)
+    q = rng.standard_normal((total, heads, d)).astype(np.float32)
+    k = rng.standard_normal((b * PPS + 2, PAGE, kv_heads, d)).astype(np.float32)
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    table = rng.permutation(b * PPS + 2)[: b * PPS].reshape(b, PPS).astype(np.int32)
+    window = None if rng.random() < 0.5 else (int(rng.integers(0, 20)), 0)
+    scales = {}
+    if seed % 2:
+        k, ks = decode.quantize(k, "int8")
+        v, vs = decode.quantize(v, "int8")
+        scales = dict(k_scale=ks, v_scale=vs)
+    want = oracle_ragged_decode(q, k, v, lengths, cu, page_table=table, window=window, **scales)
+    for impl in [i for i in IMPLS if decode.get_implementation(i).takes_ragged and i != "jax_ragged"]:
+        options = {"q_block": int(rng.integers(3, 9))} if impl == "pallas" else {}
+        out = decode.attention(q, k, v, lengths, page_table=table, cu_q_lens=cu, window=window, impl=impl,
+                               **scales, **options)
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-5, rtol=2e-5,
+                                   err_msg=f"{impl} {options}")
