@@ -19,7 +19,8 @@ kernel):
   Pallas kernels every branch is counted as taken (an upper bound on the bundles);
 * **DMA**: in a Pallas grid loop the copies a step starts (``dma.hbm_to_vmem``, their constant
   block, ``window_bounds`` elements of ``element_size_in_bytes`` as the dump annotates each copy) over
-  the HBM bandwidth (a copy issued on several paths of a step is counted on each: an upper bound); a computing step takes the
+  the HBM bandwidth (a copy issued on several paths of a step is counted on each: an upper bound); a
+  computing step takes the
   longer of its bundles and that; an XLA fusion takes the longer of its bundles and its operands and
   results in HBM (not those placed in VMEM, ``S(1)`` in their layout) over the bandwidth (the
   roofline of its bytes);
@@ -156,7 +157,8 @@ def loops(bundles: list[Bundle]) -> list[tuple[int, int, int, int]]:
         exits = [int(m) for b in bundles[start:stop] if b.depth == bundle.depth
                  for m in _EXIT.findall(b.text)]
         if not exits:
-            raise ValueError(f"bundles: the loop at bundle {start} has no exit test with a constant trip count")
+            raise ValueError(f"bundles: the loop at bundle {start} has no exit test with a constant "
+                             f"trip count")
         found.append((start, stop, bundle.depth, exits[-1]))
     return found
 
@@ -229,7 +231,7 @@ def estimate_bundles(path: str | os.PathLike, chip: str, weights: Weights | None
     for start, stop, _depth, trips in found_loops:
         for index in range(start, stop):
             times[index] *= trips
-    cycles = sum(f * t * b.cycles for f, t, b in zip(per_bundle, times, bundles))
+    cycles = sum(f * t * b.cycles for f, t, b in zip(per_bundle, times, bundles, strict=True))
     compute_s = cycles / clock
     kind = "xla" if weights is None else "pallas"
     if weights is None:
@@ -359,9 +361,10 @@ def estimate_dump(out: str | os.PathLike, chip: str, weights: dict[str, Weights]
     for start, stop, _depth, trips in found_loops:
         for index in range(start, stop):
             times[index] *= trips
-    own = sum(t * b.cycles for t, b in zip(times, bundles))
+    own = sum(t * b.cycles for t, b in zip(times, bundles, strict=True))
     copies = sum(_shape_bytes(defs[n][0]) for n in defs if defs[n][1] == "copy-start")
-    computations.append(Computation("program", "program", len(bundles), tuple(t for *_, t in found_loops), own,
+    computations.append(Computation("program", "program", len(bundles), tuple(t for *_, t in found_loops),
+                                    own,
                                     own / clock, copies, own / clock + copies / bandwidth))
     return Estimate(chip, clock, source, tuple(computations), sum(c.seconds for c in computations))
 
@@ -430,3 +433,15 @@ def tile_weights(seq_len: int, block: int, causal: bool) -> Weights:
     visited = int((codes != spec_module.EMPTY).sum())
     partial = int((codes == spec_module.PARTIAL).sum())
     return Weights(compute=visited / total, partial=partial / total, edge=1 / codes.shape[1])
+
+
+# ---------------------------------------------------------------------------- a report row's field
+ROW_FIELD = "static_estimate_s"  # the optional field an ``aot`` report row carries, beside its label
+
+
+def row_fields(code: str, chip: str, weights: dict[str, Weights] | None = None) -> dict:
+    """The fields a compile report row (:mod:`tpuattn.measure.aot`) may carry: the program's estimate in
+    seconds and its label, ``compiled (static estimate, not run)``, kept apart from measured and
+    modelled fields (the committed report files do not carry it: each would need a dump per row)."""
+    result = estimate(code, chip, weights)
+    return {ROW_FIELD: result.seconds, f"{ROW_FIELD}_label": LABEL}

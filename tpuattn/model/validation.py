@@ -40,16 +40,17 @@ class Row:
 
 def program(run: published.PublishedRun) -> tuple[str, str, dict]:
     """``(what, code, weights)``: the child's source for the program ``run`` measured."""
-    shape = dict(batch=run.batch, heads=run.heads, seq_len=run.seq_len, head_dim=run.head_dim, dtype=run.dtype)
+    shape = dict(batch=run.batch, heads=run.heads, seq_len=run.seq_len, head_dim=run.head_dim,
+                 dtype=run.dtype)
     if run.impl == "reference":
         precision = "" if run.precision == "default" else ", precision='highest'"
-        code = estimate.XLA_CODE.format(causal=run.causal, backward=run.mode == "fwd+bwd", precision=precision,
-                                        **shape)
+        code = estimate.XLA_CODE.format(causal=run.causal, backward=run.mode == "fwd+bwd",
+                                        precision=precision, **shape)
         return "XLA softmax(QK^T)V", code, {}
     weights = estimate.tile_weights(run.seq_len, run.block, run.causal)
     if run.source.startswith("jax-ml/jax#24633"):
         code = estimate.FLASH_CODE.format(causal=run.causal, block=run.block, **shape)
-        return f"pallas flash_attention, block {run.block}", code, weights
+        return f"flash_attention, block {run.block}", code, weights
     mask = "sa.CausalMask" if run.causal else "sa.FullMask"
     code = estimate.SPLASH_CODE.format(mask=mask, block=run.block, backward=run.mode == "fwd+bwd", **shape)
     return f"splash, block {run.block}", code, weights
@@ -101,7 +102,8 @@ def table(rows: list[Row]) -> str:
                      f"{row.roofline_s / r.seconds:>7.2f}")
     hits = sum(row.hit for row in rows)
     lines.append(f"{hits} of {len(rows)} within {GOAL[0]}-{GOAL[1]}x of the measured time. estimate: "
-                 f"{estimate.LABEL}; roofline: modelled (lower bound); measured: published, on the chip named")
+                 f"{estimate.LABEL}; roofline: modelled (lower bound); measured: published, on the chip "
+                 f"named")
     for row in rows:
         if row.error:
             lines.append(f"  {row.run.chip} {row.run.label}: no estimate ({row.error})")
