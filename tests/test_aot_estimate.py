@@ -32,7 +32,8 @@ def FN(q, k):
                           in_specs=[spec(lambda j: (0, 0)), spec(lambda j: (j, 0))],
                           out_specs=spec(lambda j: (0, j)),
                           out_shape=jax.ShapeDtypeStruct((128, 128 * {steps}), jnp.float32))(q, k)
-ARGS = [jax.ShapeDtypeStruct((128, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128 * {steps}, 128), jnp.bfloat16)]
+ARGS = [jax.ShapeDtypeStruct((128, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((128 * {steps}, 128), jnp.bfloat16)]
 """
 
 
@@ -41,7 +42,8 @@ def _loop_bundles(path) -> int:
     # through the branch back to it (the first branch after the loop's exit test) and the bundles issued
     # in that branch's delay: those with an instruction inside the loop ('>') and the empty ones after
     # them ('{}', printed without the loop's marks).
-    lines = [line for line in path.read_text().splitlines() if re.match(r"^\s*(0x[0-9a-f]+|\d+)\s+\w*:", line)]
+    lines = [line for line in path.read_text().splitlines()
+             if re.match(r"^\s*(0x[0-9a-f]+|\d+)\s+\w*:", line)]
     start = next(i for i, line in enumerate(lines) if " LB:" in line)
     exit_test = next(i for i, line in enumerate(lines) if "loop exit test" in line)
     stop = next(i for i in range(exit_test, len(lines)) if "sbr.rel" in lines[i]) + 1
@@ -50,16 +52,27 @@ def _loop_bundles(path) -> int:
     return stop - start
 
 
-def _kernel(tmp_path, steps, when="True", weights=None):
-    out = static.dump(MATMUL_LOOP.format(steps=steps, when=when), "v5e", tmp_path / f"{steps}-{len(when)}")
-    path = static.bundle_file(out, "loop_kernel")
-    return out, path, estimate.estimate_bundles(path, "v5e", weights or estimate.Weights(), name="loop_kernel")
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """``kernel(steps, when)`` -> (dump folder, bundles file, estimate with every step computing), each
+    program compiled once for the module."""
+    made = {}
+
+    def make(steps, when="True"):
+        if (steps, when) not in made:
+            out = static.dump(MATMUL_LOOP.format(steps=steps, when=when), "v5e",
+                              tmp_path_factory.mktemp(f"loop{steps}"))
+            path = static.bundle_file(out, "loop_kernel")
+            made[steps, when] = out, path, estimate.estimate_bundles(path, "v5e", estimate.Weights(),
+                                                                     name="loop_kernel")
+        return made[steps, when]
+    return make
 
 
-def test_the_estimate_scales_with_the_grid(tmp_path):
+def test_the_estimate_scales_with_the_grid(kernel):
     # The grid is one loop: its trips are the grid's steps plus the pipeline's warm-up and drain, and each
     # trip costs the loop's bundles, so 16 steps cost 12 trips of loop bundles more than 4 steps.
-    (_, path4, four), (_, path16, sixteen) = _kernel(tmp_path, 4), _kernel(tmp_path, 16)
+    (_, path4, four), (_, path16, sixteen) = kernel(4), kernel(16)
     assert four.trips == (4 + 2,) and sixteen.trips == (16 + 2,)
     per_trip = _loop_bundles(path16)
     assert per_trip == _loop_bundles(path4)  # the same step, compiled twice
@@ -70,9 +83,9 @@ def test_the_estimate_scales_with_the_grid(tmp_path):
     assert sixteen.seconds >= 16 * 2 * 128**3 / peak
 
 
-def test_a_branch_is_weighed_by_how_often_the_grid_takes_it(tmp_path):
+def test_a_branch_is_weighed_by_how_often_the_grid_takes_it(kernel):
     # The product runs on one step in 4: a region holding every vmatmul of the kernel, weighed by that share.
-    _, path, every = _kernel(tmp_path, 16, "j % 4 == 0")
+    _, path, every = kernel(16, "j % 4 == 0")
     (compute,) = [r for r in every.regions if r.kind == "compute"]
     assert compute.vmatmul == static.read_bundles(path)["vmatmul"] == 8
     quarter = estimate.estimate_bundles(path, "v5e", estimate.Weights(compute=0.25))
@@ -82,19 +95,20 @@ def test_a_branch_is_weighed_by_how_often_the_grid_takes_it(tmp_path):
     assert [r.kind for r in quarter.regions] == [r.kind for r in every.regions]
 
 
-def test_the_whole_program_adds_its_computations(tmp_path):
-    out, _, kernel = _kernel(tmp_path, 8)
+def test_the_whole_program_adds_its_computations(kernel):
+    out, _, one = kernel(16)
     program = estimate.estimate_dump(out, "v5e", {"loop_kernel": estimate.Weights()})
     names = [c.name for c in program.computations]
     assert "loop_kernel" in names and names[-1] == "program"
     assert program.seconds == pytest.approx(sum(c.seconds for c in program.computations))
-    assert [c for c in program.computations if c.name == "loop_kernel"][0].cycles == kernel.cycles
+    assert [c for c in program.computations if c.name == "loop_kernel"][0].cycles == one.cycles
     assert program.label == estimate.LABEL
 
 
 def test_tile_weights_follow_the_tile_codes():
     # 4 x 4 tiles of a causal square: 10 visited of 16, the 4 on the diagonal partial; one write-out per row.
-    assert estimate.tile_weights(2048, 512, True) == estimate.Weights(compute=10 / 16, partial=4 / 16, edge=1 / 4)
+    assert estimate.tile_weights(2048, 512, True) == estimate.Weights(compute=10 / 16, partial=4 / 16,
+                                                                      edge=1 / 4)
     assert estimate.tile_weights(2048, 512, False) == estimate.Weights(compute=1.0, partial=0.0, edge=1 / 4)
 
 
