@@ -171,7 +171,8 @@ def _estimate_with_counts(code: str, chip: str, weights) -> tuple[estimate.Estim
     from tpuattn.measure import static
 
     with tempfile.TemporaryDirectory(prefix="tpuattn_tune_") as scratch:
-        result = estimate.estimate(code, chip, weights, out_dir=scratch)
+        # a longer wait than the dump's default: the GQA backward's compile outlasts 300 s on a shared machine
+        result = estimate.estimate_dump(static.dump(code, chip, scratch, timeout=1200), chip, weights)
         counts = {}
         for name in static.kernel_names(scratch):
             try:
