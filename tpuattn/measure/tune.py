@@ -361,6 +361,23 @@ def diff(old: dict, new_entries) -> list[str]:
     return lines
 
 
+def markdown(doc: dict) -> str:
+    """A tuned file as Markdown: per chip and length, every candidate's estimate, the choice marked."""
+    lines = ["| chip | tokens | pass | candidate | estimate ms | chosen |", "|---|---|---|---|---|---|"]
+    for e in doc["rows"]:
+        for r in doc["candidates_estimated"]:
+            if r["chip"] != e["chip"] or r["seq_len"] != e["seq_len"]:
+                continue
+            forward = r["mode"] == "fwd"
+            names = ("block_q", "block_kv") if forward else ("backward_block_q", "backward_block_kv")
+            pair, chosen = tuple(r[n] for n in names), all(r[n] == e[n] for n in names)
+            what = "forward (fwd)" if forward else f"backward (fwd+bwd, forward {r['block_q']}x{r['block_kv']})"
+            secs = "-" if r["seconds"] is None else f"{r['seconds'] * 1e3:.3f}"
+            lines.append(f"| {e['chip']} | {e['seq_len']} | {what} | {pair[0]}x{pair[1]} | {secs} | "
+                         f"{'yes' if chosen else ''} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     """``python -m tpuattn.aot --tune [--chips ...] [--seq-lens ...] [--candidates 256x256,...] [--out F]``
     or ``--tune --reproduce FILE``."""
@@ -375,7 +392,11 @@ def main(argv=None):
     parser.add_argument("--candidates", default=",".join(f"{q}x{k}" for q, k in CANDIDATES))
     parser.add_argument("--out", default="out/tune/tuned_blocks.json")
     parser.add_argument("--reproduce", default=None, metavar="FILE")
+    parser.add_argument("--markdown", default=None, metavar="FILE", help="print a tuned file as Markdown")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(load(args.markdown)))
+        return load(args.markdown)["rows"]
     if args.reproduce:
         old = load(args.reproduce)
         p = old["problems"]
