@@ -371,7 +371,8 @@ def markdown(doc: dict) -> str:
             forward = r["mode"] == "fwd"
             names = ("block_q", "block_kv") if forward else ("backward_block_q", "backward_block_kv")
             pair, chosen = tuple(r[n] for n in names), all(r[n] == e[n] for n in names)
-            what = "forward (fwd)" if forward else f"backward (fwd+bwd, forward {r['block_q']}x{r['block_kv']})"
+            fixed = f"{r['block_q']}x{r['block_kv']}"
+            what = "forward (fwd)" if forward else f"backward (fwd+bwd, forward {fixed})"
             secs = "-" if r["seconds"] is None else f"{r['seconds'] * 1e3:.3f}"
             lines.append(f"| {e['chip']} | {e['seq_len']} | {what} | {pair[0]}x{pair[1]} | {secs} | "
                          f"{'yes' if chosen else ''} |")
