@@ -10,7 +10,16 @@ ratio to the decode model's bytes (:mod:`tpuattn.model.decode`, modelled, every 
 peak HBM (``memory_analysis()``), and whether it compiled (the compiler's error if not)::
 
     JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 .venv/bin/python benchmarks/decode_engine.py \\
-        [--chips v5e,v6e] [--json out/decode_engine.json]
+        [--chips v5e,v6e] [--json out/decode_engine.json] [--tpu-inference DIR]
+
+``--tpu-inference DIR`` adds tpu-inference's ragged paged attention v3 (vLLM's TPU backend). The
+``tpu-inference`` package does not install beside the project's pins (its dependencies replace numpy,
+flax and optax), so it is put, without its dependencies, in a scratch directory outside the project::
+
+    .venv-uv/bin/uv pip install --no-deps --target /tmp/tpu-inference tpu-inference==0.25.0
+
+and only its kernel module is imported from there (it needs JAX alone); the package's ``__init__``,
+which sets environment variables for vLLM, is not run.
 
 Needs libtpu (the compile-only TPU devices). The table is book/decode-engine.md's.
 """
@@ -21,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -44,15 +54,37 @@ def model_bytes(chip_names) -> dict:
     return out
 
 
+def use_tpu_inference(directory: str) -> None:
+    """Import ``tpu_inference``'s modules from ``directory/tpu_inference`` without running its
+    ``__init__`` (an empty package standing in for it)."""
+    import types
+
+    root = Path(directory) / "tpu_inference"
+    if not (root / "kernels" / "ragged_paged_attention" / "v3" / "kernel.py").exists():
+        raise SystemExit(f"--tpu-inference: expected a directory holding tpu_inference/kernels/"
+                         f"ragged_paged_attention/v3/kernel.py, got {directory!r}")
+    package = types.ModuleType("tpu_inference")
+    package.__path__ = [str(root)]
+    sys.modules["tpu_inference"] = package
+
+
 def main(argv=None) -> list:
     from tpuattn.measure import aot
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chips", default="v5e,v6e")
     parser.add_argument("--json", default=None, help="also write the rows and versions here")
+    parser.add_argument("--tpu-inference", default=None, metavar="DIR",
+                        help="also compile tpu-inference's kernel, from a --no-deps --target install in DIR")
     args = parser.parse_args(argv)
     chip_names = [c for c in args.chips.split(",") if c]
-    rows = aot.decode_engine_rows(chip_names, progress=True)
+    engines, setup = aot.DECODE_ENGINES, ""
+    if args.tpu_inference:
+        use_tpu_inference(args.tpu_inference)  # checks the directory here; each child does the same
+        engines += ("tpu_inference",)
+        setup = (f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nimport decode_engine\n"
+                 f"decode_engine.use_tpu_inference({args.tpu_inference!r})")
+    rows = aot.decode_engine_rows(chip_names, engines, progress=True, setup=setup)
     print(f"\n{aot.LABEL}; {aot.versions_text()}; model: tpuattn.model.decode (modelled)\n")
     print(aot.decode_engine_table(rows, model_bytes(chip_names)))
     if args.json:

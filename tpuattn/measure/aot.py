@@ -729,6 +729,10 @@ DECODE_ENGINE_SHAPES = {
 }
 DECODE_CACHE_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")
 DECODE_ENGINES = ("tpuattn", "jax_ragged")
+# tpu-inference (vLLM's TPU backend, PyPI ``tpu-inference``): its ragged paged attention v3, compiled
+# where the module imports (benchmarks/decode_engine.py --tpu-inference DIR); not a default engine.
+TPU_INFERENCE_KERNEL = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
+OPTIONAL_DECODE_ENGINES = ("tpu_inference",)
 # ``unavailable``: the engine has no such input yet (or is not installed); its error says which.
 DECODE_ENGINE_STATUSES = (*STATUSES, "unavailable")
 DECODE_ENGINE_COLUMNS = ("chip", "engine", "shape", "cache_dtype", "batch", "tokens", "status", "error",
@@ -848,6 +852,56 @@ def _jax_ragged_step(shape: dict, cache_dtype: str):
     return fn, args
 
 
+def _tpu_inference_step(shape: dict, cache_dtype: str, chip_name: str):
+    """``(fn, args)`` of tpu-inference's ragged paged attention v3 at ``shape`` (its cache in its own
+    layout, ``[pages, page, 2 * kv_heads / packing, packing, head_dim]``, the page table flat, the
+    batch's distribution: decodes first, then prefill chunks), attention alone (``update_kv_cache=False``;
+    it still takes the new tokens' keys and values), or a string: why it cannot be compiled here."""
+    import functools
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from tpuattn import chips
+
+    try:
+        kernel = importlib.import_module(TPU_INFERENCE_KERNEL)
+        util = importlib.import_module(TPU_INFERENCE_KERNEL.rsplit(".", 1)[0] + ".util")
+    except ImportError as error:
+        return f"tpu-inference is not installed ({first_error_line(error)})"
+    h, hk, d, b = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["batch"]
+    dtype = jnp.dtype(cache_dtype)
+    kind = topology_device(chips.get(chip_name)).device_kind
+    version = int(kind.split()[1].lstrip("v"))
+    # Its version check reads jax.devices()[0] (a CPU here): the target's, as jax_kernels_see does for JAX.
+    kernel.get_tpu_version = util.get_tpu_version = lambda: version
+    scales = {} if cache_dtype == "bfloat16" else dict(k_scale=DECODE_SCALE, v_scale=DECODE_SCALE)
+    vmem = chips.get(chip_name).vmem_bytes  # its default: the chip's VMEM (pltpu.get_tpu_info())
+    fn = functools.partial(kernel.ragged_paged_attention, sm_scale=d ** -0.5, update_kv_cache=False,
+                           vmem_limit_bytes=vmem, **scales)
+    new = jax.ShapeDtypeStruct((shape["tokens"], hk, d), dtype)
+    args = [jax.ShapeDtypeStruct((shape["tokens"], h, d), jnp.bfloat16), new, new,
+            jax.ShapeDtypeStruct(kernel.get_kv_cache_shape(shape["pages"], shape["page"], hk, d, dtype),
+                                 dtype),
+            jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((shape["pages"],), jnp.int32),
+            jax.ShapeDtypeStruct((b + 1,), jnp.int32), jax.ShapeDtypeStruct((3,), jnp.int32)]
+    return fn, args
+
+
+def _compile_donating(chip_name: str, fn, args, donate: tuple):
+    """:func:`compile_for` with ``donate`` arguments donated (a kernel that aliases its cache to an
+    output then updates it in place, as engines run it, instead of copying it)."""
+    import jax
+
+    from tpuattn import chips
+
+    sharding = jax.sharding.SingleDeviceSharding(topology_device(chips.get(chip_name)))
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    with chips.target(chip_name):
+        return jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
+
+
 def _jax_ragged_blocks(shape: dict, cache_dtype: str) -> str:
     """The (kv pages, queries) per block JAX's kernel picks for the target chip (inside
     :func:`jax_kernels_see`)."""
@@ -872,20 +926,20 @@ def decode_engine_row(chip_name: str, engine: str, shape: str, cache_dtype: str)
     from tpuattn import chips
     from tpuattn.errors import UnavailableImplementation, UnsupportedInput
 
-    if engine not in DECODE_ENGINES:
-        raise ValueError(f"engine: expected one of {list(DECODE_ENGINES)}, got {engine!r}")
+    if engine not in DECODE_ENGINES + OPTIONAL_DECODE_ENGINES:
+        raise ValueError(f"engine: expected one of {list(DECODE_ENGINES + OPTIONAL_DECODE_ENGINES)}, "
+                         f"got {engine!r}")
     if cache_dtype not in DECODE_CACHE_DTYPES:
         raise ValueError(f"cache_dtype: expected one of {list(DECODE_CACHE_DTYPES)}, got {cache_dtype!r}")
     s = _decode_shape(shape)
     chip = chips.get(chip_name)
-    jax_version, libtpu_version = _versions()
-    row = {key: None for key in DECODE_ENGINE_COLUMNS}
-    row.update(chip=chip.name, engine=engine, shape=shape, cache_dtype=cache_dtype, batch=s["batch"],
-               tokens=s["tokens"], label=LABEL, jax_version=jax_version, libtpu_version=libtpu_version)
+    row = _decode_engine_base(chip.name, engine, shape, cache_dtype)
     if not chip_known(chip.name):
         return {**row, "status": "unsupported",
                 "error": f"chip: the installed TPU compiler ({versions_text()}) does not know {chip.name}"}
-    step = _tpuattn_decode_step(s, cache_dtype) if engine == "tpuattn" else _jax_ragged_step(s, cache_dtype)
+    step = (_tpuattn_decode_step(s, cache_dtype) if engine == "tpuattn" else
+            _jax_ragged_step(s, cache_dtype) if engine == "jax_ragged" else
+            _tpu_inference_step(s, cache_dtype, chip.name))
     if isinstance(step, str):
         return {**row, "status": "unavailable", "error": step}
     fn, args = step
@@ -894,7 +948,8 @@ def decode_engine_row(chip_name: str, engine: str, shape: str, cache_dtype: str)
         with jax_kernels_see(chip.name):
             if engine == "jax_ragged":
                 row["blocks"] = _jax_ragged_blocks(s, cache_dtype)
-            compiled = compile_for(chip.name, fn, args)
+            compiled = (_compile_donating(chip.name, fn, args, (3,)) if engine == "tpu_inference"
+                        else compile_for(chip.name, fn, args))
     except (UnsupportedInput, UnavailableImplementation) as error:
         return {**row, "status": "unsupported", "error": str(error)}
     except Exception as error:  # noqa: BLE001 - the compiler's own errors have many types
@@ -906,15 +961,51 @@ def decode_engine_row(chip_name: str, engine: str, shape: str, cache_dtype: str)
     return row
 
 
+def _decode_engine_base(chip_name: str, engine: str, shape: str, cache_dtype: str) -> dict:
+    s = _decode_shape(shape)
+    jax_version, libtpu_version = _versions()
+    row = {key: None for key in DECODE_ENGINE_COLUMNS}
+    row.update(chip=chip_name, engine=engine, shape=shape, cache_dtype=cache_dtype, batch=s["batch"],
+               tokens=s["tokens"], label=LABEL, jax_version=jax_version, libtpu_version=libtpu_version)
+    return row
+
+
+def decode_engine_row_isolated(chip_name: str, engine: str, shape: str, cache_dtype: str, *,
+                               setup: str = "", timeout: float = 900) -> dict:
+    """:func:`decode_engine_row` in a child process (``setup``: Python run there first). A failed check
+    inside libtpu ends the process that compiles (``abort``); here it gives a ``compile_error`` row
+    with the compiler's message instead of ending this one."""
+    import os
+    import subprocess
+    import sys
+
+    code = (f"{setup}\nimport json\nfrom tpuattn.measure import aot\n"
+            f"row = aot.decode_engine_row({chip_name!r}, {engine!r}, {shape!r}, {cache_dtype!r})\n"
+            "print('ROW' + json.dumps(row, default=str))\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+    for line in done.stdout.splitlines():
+        if line.startswith("ROW"):
+            return json.loads(line[3:])
+    lines = done.stderr.strip().splitlines() or ["(no message)"]
+    fatal = [line for line in lines if "Check failed" in line] or lines[-1:]
+    message = re.sub(r"^F\d+ [\d:.]+\s+\d+ ", "", fatal[0]).strip()
+    return {**_decode_engine_base(chip_name, engine, shape, cache_dtype), "status": "compile_error",
+            "error": f"the compiler aborted (exit status {done.returncode}): {message}"}
+
+
 def decode_engine_rows(chip_names=("v5e", "v6e"), engines=DECODE_ENGINES, shapes=tuple(DECODE_ENGINE_SHAPES),
-                       cache_dtypes=DECODE_CACHE_DTYPES, *, progress: bool = False) -> list[dict]:
-    """Every (chip, shape, cache dtype, engine) row of :func:`decode_engine_row`."""
+                       cache_dtypes=DECODE_CACHE_DTYPES, *, progress: bool = False,
+                       setup: str = "") -> list[dict]:
+    """Every (chip, shape, cache dtype, engine) row, each compiled in a child process
+    (:func:`decode_engine_row_isolated`)."""
     rows = []
     for chip in chip_names:
         for shape in shapes:
             for cache_dtype in cache_dtypes:
                 for engine in engines:
-                    rows.append(decode_engine_row(chip, engine, shape, cache_dtype))
+                    rows.append(decode_engine_row_isolated(chip, engine, shape, cache_dtype, setup=setup))
                     if progress:
                         r = rows[-1]
                         print(f"{chip} {shape} {cache_dtype} {engine}: {r['status']}", flush=True)
