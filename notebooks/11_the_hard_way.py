@@ -549,6 +549,38 @@ if COMPILER and RUN_STATIC:
 # INVALID_ARGUMENT: Unsupported DMA direction: 10 on VL/VLP"*. A static estimate would also have to
 # pick one side of each branch, where a causal kernel skips or masks tiles.
 #
+# The package reads one from the final bundles instead (`tpuattn.measure.estimate`): a bundle is one
+# cycle, a loop's body runs as many times as its exit test's constant says (`scmp.ge ... N /* loop
+# exit test */`), a branch (`sbr.rel ... target = $regionN`) skips the bundles up to its target region,
+# weighed by how often the grid takes it, and the sum at the chip's clock is a time labelled
+# **compiled (static estimate, not run)**. The lesson kernel, read that way from the dump above: no
+# mask, so every grid step computes (its matmuls sit outside any branch), and its two `pl.when`
+# regions, the set-up at the first key block and the write-out at the last, run on one step in
+# `SEQ / BLOCK` (the weights `estimate.tile_weights` reads from the package's tile codes):
+
+# %%
+if DUMP:
+    from tpuattn.measure import estimate
+
+    lesson_weights = estimate.tile_weights(SEQ, BLOCK, causal=False)
+    print(lesson_weights)
+    lesson_estimate = estimate.estimate_bundles(static.bundle_file(DUMP, "lesson_kernel"), CHIP,
+                                                lesson_weights, name="lesson_kernel")
+    clock_hz, clock_source = chips.estimate_clock(CHIP)
+    print(f"{estimate.LABEL}, {CHIP}, the lesson kernel:")
+    print(f"  grid loop trips {lesson_estimate.trips[0]} (the grid's steps plus the pipeline's warm-up "
+          f"and drain), bundles in the file {lesson_estimate.bundles}")
+    for region in lesson_estimate.regions:
+        print(f"  branch region of {region.stop - region.start} bundles: {region.kind}, "
+              f"{region.vmatmul} vmatmul, run on {region.frequency:.2f} of the steps")
+    print(f"  cycles {lesson_estimate.cycles:,.0f} at {clock_hz / 1e9:.2f} GHz ({clock_source}): "
+          f"{lesson_estimate.seconds * 1e6:.2f} us")
+
+# %% [markdown]
+# The same reading for whole programs, the Pallas kernels and XLA's fusions each from its own
+# bundles file, set beside every published TPU measurement, is the page *A time from the compiler*
+# in the book (`python -m tpuattn.aot --estimate-validate`).
+#
 # ## 10 · Profiling a real TPU run
 #
 # Static counts say what the compiler made, not how long it takes. On a TPU, time comes from a
