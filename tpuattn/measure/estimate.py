@@ -13,10 +13,11 @@ kernel):
 * **branches**: a ``sbr.rel`` skips the bundles up to its target region. In a Pallas kernel's grid loop
   the skipped region is weighed by how often the grid runs it (:class:`Weights`): a region that waits
   for the pipeline's DMAs on every step (``pipeline-emitter-dma-wait``), a region with ``vmatmul`` on the
-  steps that compute (the visited tiles' share of the grid), a region nested in it with the most mask
-  instructions (``vcmp``, ``vsel``) on the share of those that are partial (masked), its sibling on the
-  rest, and any other region (the accumulators' set-up and write-out) once per output block. Outside
-  Pallas kernels every branch is counted as taken (an upper bound on the bundles);
+  steps that compute (the visited tiles' share of the grid), of two regions nested in it the one with
+  the most mask instructions (``vcmp``, ``vsel``) on the share of those that are partial (masked), its
+  sibling on the rest (one region nested alone runs whenever its parent does), and any other region
+  (the accumulators' set-up and write-out) once per output block. Outside Pallas kernels every branch is
+  counted as taken (an upper bound on the bundles);
 * **DMA**: in a Pallas grid loop the copies a step starts (``dma.hbm_to_vmem``, their constant
   block, ``window_bounds`` elements of ``element_size_in_bytes`` as the dump annotates each copy) over
   the HBM bandwidth (a copy issued on several paths of a step is counted on each: an upper bound); a
@@ -201,7 +202,10 @@ def regions(bundles: list[Bundle], weights: Weights | None) -> list[Region]:
                             and r[3]]
                 most = max(r[4] for r in siblings)
                 share = weights.partial / weights.compute if weights.compute else 0.0
-                kind, frequency = ("partial", share) if mask_ops == most else ("unmasked", 1 - share)
+                if len(siblings) < 2:  # one computing region nested in another: the same steps
+                    kind, frequency = "compute", 1.0
+                else:
+                    kind, frequency = ("partial", share) if mask_ops == most else ("unmasked", 1 - share)
         else:
             kind, frequency = "edge", weights.edge
         found.append(Region(branch, start, stop, kind, vmatmul, mask_ops, frequency))
