@@ -30,9 +30,9 @@ Two things an inference engine's batch adds (:func:`decode_roofline`'s ``q_lens`
 ``scales``):
 
 * a **ragged batch**: each sequence has its own number of new queries ``q_lens[b]`` (a chunk of prefill
-  beside single-token decodes; 0 allowed: an idle sequence reads nothing), the queries flat ``[sum(q_lens), heads, head_dim]``. Then
-  ``q_len`` above becomes ``q_lens[b]`` per sequence: the cache term is unchanged, q and the output are
-  ``sum(q_lens)`` rows, ``cu_q_lens`` (``batch + 1``) and ``num_seqs`` (one) int32 are read beside the
+  beside single-token decodes; 0 allowed: an idle sequence reads nothing), the queries flat
+  ``[sum(q_lens), heads, head_dim]``. Then ``q_len`` above becomes ``q_lens[b]`` per sequence: the cache
+  term is unchanged, q and the output are ``sum(q_lens)`` rows, ``cu_q_lens`` (``batch + 1``) and ``num_seqs`` (one) int32 are read beside the
   lengths, and ``visible_b = min(lengths[b], q_lens[b] + left)`` under a window;
 * a **quantized cache**: K and V stored as int8 or fp8 (``float8_e4m3fn``), one byte an element, plus
   their float32 scales (``scales="tensor"``: one for K and one for V; ``"kv_head"``: one per kv head
@@ -107,7 +107,8 @@ def _q_lens(lengths: np.ndarray, q_len: int, q_lens) -> np.ndarray:
     q_lens = q_lens.astype(np.int64)
     if (q_lens < 0).any() or (q_lens > lengths).any():
         raise TpuattnError(f"q_lens: each must be in [0, lengths[b]] (the new queries are the last of a "
-                           f"sequence's positions), got q_lens={q_lens.tolist()} for lengths={lengths.tolist()}")
+                           f"sequence's positions), got q_lens={q_lens.tolist()} for "
+                           f"lengths={lengths.tolist()}")
     return q_lens
 
 
