@@ -32,8 +32,9 @@ Two things an inference engine's batch adds (:func:`decode_roofline`'s ``q_lens`
 * a **ragged batch**: each sequence has its own number of new queries ``q_lens[b]`` (a chunk of prefill
   beside single-token decodes; 0 allowed: an idle sequence reads nothing), the queries flat
   ``[sum(q_lens), heads, head_dim]``. Then ``q_len`` above becomes ``q_lens[b]`` per sequence: the cache
-  term is unchanged, q and the output are ``sum(q_lens)`` rows, ``cu_q_lens`` (``batch + 1``) and ``num_seqs`` (one) int32 are read beside the
-  lengths, and ``visible_b = min(lengths[b], q_lens[b] + left)`` under a window;
+  term is unchanged, q and the output are ``sum(q_lens)`` rows, ``cu_q_lens`` (``batch + 1``) and
+  ``num_seqs`` (one) int32 are read beside the lengths, and under a window
+  ``visible_b = min(lengths[b], q_lens[b] + left)``;
 * a **quantized cache**: K and V stored as int8 or fp8 (``float8_e4m3fn``), one byte an element, plus
   their float32 scales (``scales="tensor"``: one for K and one for V; ``"kv_head"``: one per kv head
   each), so the cache term is ``visible * 2 * kv_heads * head_dim * 1 + scale bytes``, about half of a
