@@ -425,6 +425,87 @@ print(f"jax_paged ({'interpret mode' if backend != 'tpu' else 'compiled'}) vs re
 np.testing.assert_allclose(out_jax, want_last, atol=2e-2, rtol=2e-2)
 
 # %% [markdown]
+# ## 5b · A ragged batch and a quantized cache, as engines serve
+#
+# An inference engine's step is **ragged**: a chunk of a new prompt beside single-token decodes and
+# idle slots, each sequence with its own number of new queries. JAX's `ragged_paged_attention` and
+# vLLM's TPU kernels take the queries flat, `[total_tokens, heads, head_dim]`, with `cu_q_lens`
+# (`batch + 1` offsets: sequence `i`'s queries are rows `cu_q_lens[i] … cu_q_lens[i+1] − 1`), and so
+# does the contract: `decode.attention(q_flat, k_pages, v_pages, lengths, page_table=...,
+# cu_q_lens=...)`. Each sequence's queries are the last of its `lengths[b]` positions, causal
+# (bottom-right) as before; a sequence with no query is idle. Below, section 2's cache serves a
+# 5-token prefill chunk, two decodes and an idle slot in one call of the split-K kernel (interpret
+# mode here), checked against float64 NumPy attention over each sequence's prefix.
+
+# %%
+q_lens = np.array([5, 1, 0, 1], np.int32)[:BATCH]  # a prefill chunk, a decode, an idle slot, a decode
+cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+q_flat = rng.standard_normal((int(cu_q_lens[-1]), HEADS, HEAD_DIM)).astype(np.float32)
+
+
+def ragged_oracle(q_flat, k_contig, v_contig):
+    """Float64 NumPy: each sequence's queries against its own prefix, causal from the bottom right."""
+    out, group = np.zeros(q_flat.shape), HEADS // KV_HEADS
+    for b in range(BATCH):
+        rows = slice(cu_q_lens[b], cu_q_lens[b + 1])
+        n, length = int(q_lens[b]), int(lengths[b])
+        pos = length - n + np.arange(n)  # the queries' positions
+        for h in range(HEADS):
+            k64 = k_contig[b, :length, h // group].astype(np.float64)
+            v64 = v_contig[b, :length, h // group].astype(np.float64)
+            s = q_flat[rows, h].astype(np.float64) @ k64.T / np.sqrt(HEAD_DIM)
+            s = np.where(np.arange(length)[None] <= pos[:, None], s, -np.inf)
+            w = np.exp(s - s.max(axis=1, keepdims=True))
+            out[rows, h] = (w / w.sum(axis=1, keepdims=True)) @ v64
+    return out
+
+
+want_ragged = ragged_oracle(q_flat, k_contig, v_contig)
+for name in ("reference", "pallas"):
+    got = decode.attention(q_flat, k_pages, v_pages, lengths, page_table=page_table, cu_q_lens=cu_q_lens,
+                           impl=name)
+    print(f"{name:>9}, ragged batch q_lens {q_lens.tolist()}: max |error| vs float64 = "
+          f"{float(np.max(np.abs(np.asarray(got, np.float64) - want_ragged))):.1e}")
+    np.testing.assert_allclose(np.asarray(got), want_ragged, atol=2e-5, rtol=2e-5)
+
+# %% [markdown]
+# Since decode streams its cache, the cache's bytes are the step's time (section 1). Engines keep
+# it in **one byte an entry**: int8, or fp8 (`float8_e4m3fn`), entry `e` standing for `e × scale`
+# with a float32 scale per tensor or per kv head. `decode.quantize` makes entries and scales;
+# `decode.write` stores new rows into pages, quantizing them; the kernel reads the one-byte pages and
+# folds `k_scale` into the logits' scale and `v_scale` into the output. Two errors are worth telling
+# apart: the kernel's, against float64 attention over the *dequantized* cache (what the cache
+# holds), and the quantization's, against the original float32 cache. The model gives the bytes.
+
+# %%
+for cache_dtype in ("int8", "float8_e4m3fn"):
+    k_q, k_scale = decode.quantize(k_pages, cache_dtype)  # per kv head: [KV_HEADS] scales
+    v_q, v_scale = decode.quantize(v_pages, cache_dtype)
+    got = decode.attention(q_flat, k_q, v_q, lengths, page_table=page_table, cu_q_lens=cu_q_lens,
+                           k_scale=k_scale, v_scale=v_scale, impl="pallas")
+    got = np.asarray(got, np.float64)
+    deq = lambda pages, scale: np.asarray(pages.astype(jnp.float32), np.float64) * np.asarray(
+        scale, np.float64)[:, None]
+    k_deq = deq(k_q, k_scale)[np.maximum(page_table, 0)].reshape(BATCH, capacity, KV_HEADS, HEAD_DIM)
+    v_deq = deq(v_q, v_scale)[np.maximum(page_table, 0)].reshape(BATCH, capacity, KV_HEADS, HEAD_DIM)
+    kernel_error = float(np.max(np.abs(got - ragged_oracle(q_flat, k_deq, v_deq))))
+    quant_error = float(np.max(np.abs(got - want_ragged)))
+    print(f"{cache_dtype:>14}: kernel vs float64 on the dequantized cache {kernel_error:.1e}; "
+          f"vs the float32 cache {quant_error:.1e} (the quantization)")
+    assert kernel_error < 2e-5 < quant_error < 0.5
+for cache_dtype, scales in (("bfloat16", None), ("int8", "kv_head"), ("float8_e4m3fn", "kv_head")):
+    r = roofline.decode_roofline(serve_lengths, heads=SERVE_HEADS, kv_heads=SERVE_KV_HEADS,
+                                 head_dim=SERVE_HEAD_DIM, chip="v5e", cache_dtype=cache_dtype, scales=scales)
+    print(f"serving batch, {cache_dtype:>14} cache: {r.cache_bytes / 2**20:6.0f} MiB a step, "
+          f"{r.time_s * 1e6:6.1f} us on v5e ({roofline.LABEL})")
+
+# %% [markdown]
+# > **Takeaway.** An engine's step is a ragged batch, prompt chunks beside decodes, one call with
+# > `cu_q_lens`; a one-byte cache halves a bfloat16 cache's bytes, and so decode's time, for a
+# > measured change in the result. `benchmarks/decode_engine.py` compiles both for v5e and v6e beside
+# > JAX's own ragged kernel (the book's *decode engine* page).
+
+# %% [markdown]
 # ## 6 · What the compiler says for a v5e serving batch (compiled, not run)
 #
 # The TPU compiler (libtpu) runs on a CPU machine: `tpuattn.measure.aot.compile_for("v5e", fn, args)`
