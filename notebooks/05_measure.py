@@ -498,9 +498,10 @@ if all(aot.compiler_problem(run.chip) is None for run in chosen_runs):
     print(f"{'run':<16} {'chip':<4} {'program':<22} {'measured ms':>11} {'estimate ms':>11} "
           f"{'roofline ms':>11}")
     for run in chosen_runs:
-        row = validation.validate_run(run)
+        row = validation.validate_run(run)  # a compile that fails leaves the estimate out, with why
+        estimate_ms = f"{row.estimate_s * 1e3:11.3f}" if row.error is None else f"{'-':>11}"
         print(f"{run.label:<16} {run.chip:<4} {row.program:<22} {run.seconds * 1e3:11.3f} "
-              f"{row.estimate_s * 1e3:11.3f} {row.roofline_s * 1e3:11.3f}")
+              f"{estimate_ms} {row.roofline_s * 1e3:11.3f}" + (f"  ({row.error})" if row.error else ""))
     print(f"measured: published, on the chip named; estimate: {static_estimate.LABEL}; "
           "roofline: modelled (lower bound)")
 else:
