@@ -982,7 +982,7 @@ assert schedule.total_computed == n * (n + 1) // 2 and schedule.total_fetched ==
 # On a TPU runtime this section compiles the package's kernel (`interpret=False`) and reports
 # achieved TFLOP/s with the standard count `4 * batch * heads * q_len * kv_len * head_dim` (two
 # matmuls, 2 FLOPs per multiply-add), halved for causal, against the chip's peak bfloat16 rate
-# (`tpuattn.roofline.chip_spec`: JAX's chip table on JAX >= 0.8.1, else Google's published per-chip
+# (`tpuattn.model.roofline.chip_spec`: JAX's chip table on JAX >= 0.8.1, else Google's published per-chip
 # numbers). On any other backend the kernel runs in interpret mode, whose timings measure Pallas's
 # interpreter, not the kernel -- so nothing is measured. This section, like every `ON_TPU` path of
 # this notebook (`INTERPRET = False`), is written for a TPU runtime and has not been run on one by

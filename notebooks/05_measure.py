@@ -22,7 +22,7 @@
 # something, and how close can each implementation's schedule get to what a TPU can do?** It
 # measures every implementation available here with the package's benchmark (`tpuattn.bench`,
 # the same code as `python -m tpuattn.bench`), then *models* the TPU generations with
-# `tpuattn.roofline`: FLOPs and HBM bytes of each schedule, the bound that applies, and the
+# `tpuattn.model.roofline`: FLOPs and HBM bytes of each schedule, the bound that applies, and the
 # sequence length at which materialising the scores stops fitting on the chip.
 #
 # **What you'll do**
@@ -658,7 +658,7 @@ else:
 #    bf16, not causal) on one device, as `(seconds, "memory" or "compute")`, from the chip's numbers
 #    in `tpuattn.chips` and the schedule of section 3 -- read Q, K, V and write O once, plus the bytes
 #    per score of the breakdown printed there; executed FLOPs: the two matmuls over every score. No
-#    `tpuattn.roofline` inside. The check compares with `roofline.predict` for shapes this notebook
+#    `tpuattn.model.roofline` inside. The check compares with `roofline.predict` for shapes this notebook
 #    never modelled (16 heads of 64 on a v6e, 32 heads of 128 on a v5e).
 # 5. **When the scores stop fitting** (★★★, 15 min). Write `materialised_oom_length(chip_name, heads,
 #    head_dim)`: the smallest sequence length (batch 1, bf16, forward) at which the materialised
