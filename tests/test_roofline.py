@@ -267,9 +267,12 @@ def test_default_blocks_follow_each_chip():
     assert roofline.default_blocks("splash", spec, roofline.chip_spec("v5e")) == (512, 512)
     assert roofline.default_blocks("splash", roofline.problem(200), roofline.chip_spec("v5e")) == (256, 256)
     # The Pallas kernel takes its defaults from the compiler's table for the chip: 512 x 512 where
-    # the ridge point is below 512 FLOP/byte, 1024 x 1024 on v6e (all compile there).
+    # the ridge point is below 512 FLOP/byte, 1024 x 1024 on v6e (all compile there); for a problem's
+    # length, from the tuned table where it has the chip (python -m tpuattn.aot --tune), as the model does.
     for chip, expected in (("v5e", 512), ("v4", 512), ("v5p", 512), ("tpu7x", 512), ("v6e", 1024)):
-        assert roofline.default_blocks("pallas", spec, roofline.chip_spec(chip)) == (expected, expected), chip
+        tuned = blocks.default_block_sizes(128, "bfloat16", chip=chip, seq_len=8192).forward
+        assert roofline.default_blocks("pallas", spec, roofline.chip_spec(chip)) == (tuned.block_q,
+                                                                                    tuned.block_kv), chip
         forward = blocks.default_block_sizes(128, "bfloat16", chip=chip).forward
         assert (forward.block_q, forward.block_kv) == (expected, expected)
     v5e = roofline.chip_spec("v5e")
