@@ -5,8 +5,10 @@ chip and problem class, each program estimated from libtpu's final bundles
 A problem class is a sequence length (2K, 8K, 32K tokens), bfloat16, head_dim 128, causal, 8 heads.
 The forward's blocks are chosen on the forward alone (``fwd``); the backward's on the forward and
 backward together (``fwd+bwd``) with the forward at the blocks just chosen, so the two sweeps add
-rather than multiply. Every candidate must first fit the VMEM model of :mod:`tpuattn.pallas.blocks`
-(the compiler's own table, ``compiled_blocks.json``, says which compile at all).
+rather than multiply. A candidate is tried only where it is legal for the chip (:func:`fits`: accepted
+by the compiler's block table, ``compiled_blocks.json``, where that has the chip's rows, else within the
+VMEM model's budget of :mod:`tpuattn.pallas.blocks`). Where the estimator reads a kernel's masked and
+unmasked branches as two computing branches, :func:`split_branches` weighs them apart.
 
 ``python -m tpuattn.aot --tune --chips v5e,v6e,v5p [--seq-lens 2048,8192,32768] [--candidates ...]``
 writes ``tuned_blocks.json`` (the rows, the command, the date and the versions that made it, as every
@@ -14,7 +16,7 @@ report file does); ``python -m tpuattn.aot --tune --reproduce FILE`` compiles th
 and diffs the chosen blocks (exit status 1 on a difference). :func:`tpuattn.pallas.blocks.default_block_sizes`
 takes its defaults from ``tpuattn/pallas/tuned_blocks.json`` where that file has the chip's entry.
 
-The package kernel against splash (:func:`compare`) is estimated the same way (benchmarks/vs_splash.py).
+The package kernel against splash (:func:`compare_row`) is estimated the same way (benchmarks/vs_splash.py).
 """
 
 from __future__ import annotations
