@@ -259,6 +259,72 @@ assert all(matches)
 # is that the cached, paged, batched decoding gives exactly the tokens of the slow, cache-free one,
 # while the pages of finished sequences are reused (the events above).
 #
+# ## 4b · Mixed batches: chunked prefill beside the decodes, and a quantized cache
+#
+# Above, a new prompt gets a call of its own (its prefill) while the running sequences wait. TPU
+# inference engines (JAX's `ragged_paged_attention`, vLLM's TPU backend) do not wait: each step is
+# one **ragged batch**, a chunk of each new prompt's tokens beside one token of every running
+# sequence, with per-sequence query lengths `cu_q_lens`. `lm.serve(..., chunk=C)` steps that way:
+# an admitted prompt feeds `C` tokens a step into its pages (`tpuattn.decode.write`) and attends
+# through `tpuattn.decode.attention(q, k_pages, v_pages, lengths, page_table=..., cu_q_lens=...)`,
+# each query causal within its own sequence; its first new token comes the step its last chunk is
+# in. The check is the same: the tokens equal recomputation.
+
+# %%
+CHUNK = 16  # prompt tokens a step per prefilling sequence: the longest prompt here takes two steps
+mixed = lm.serve(model, [lm.encode(p) for p in prompts], NEW_TOKENS, slots=SLOTS, page_size=PAGE_SIZE,
+                 num_pages=NUM_PAGES, chunk=CHUNK, keep_logits=True)
+print(f"mixed batches: {mixed.steps} calls of the model, each {SLOTS} x {CHUNK} token rows, for "
+      f"{len(prompts)} prompts; prefill then decode above: {served.steps + len(prompts)} calls "
+      f"({served.steps} decode steps, {len(prompts)} prefills)")
+matches = [bool(np.array_equal(a, b)) for a, b in zip(mixed.tokens, served.tokens, strict=True)]
+print(f"greedy tokens equal the tokens above (and so recomputation): {matches}")
+assert all(matches)
+
+# %% [markdown]
+# Decode reads the whole cache every step, so the cache's bytes are the step's traffic
+# (notebook 07). Engines therefore keep it in one byte an entry: int8, or fp8 (`float8_e4m3fn`),
+# each entry `e` standing for `e * scale` with a float32 scale per layer and kv head.
+# `lm.calibrate` sets the scales from the largest key and value the prompts' prefill writes (times a
+# headroom of 1.25 for the decoded tokens, as engines calibrate cache scales offline), and the decode
+# kernel dequantizes as it reads. Quantization changes the numbers: the cell measures how far the
+# logits move from the full-width cache's (teacher-forced along the served tokens, relative to the
+# largest logit) and whether the greedy tokens change.
+
+# %% tags=["nbval-ignore-output"]
+def teacher_forced(tokens):
+    """The full-width model's logits along the served tokens: every prompt and its new tokens in one
+    call, padded at the end (causal attention: the padding changes no earlier logit)."""
+    rows = [np.concatenate([lm.encode(p), new[:-1]]) for p, new in zip(prompts, tokens, strict=True)]
+    padded = np.zeros((len(rows), max(len(r) for r in rows)), np.int32)
+    for i, row in enumerate(rows):
+        padded[i, :len(row)] = row
+    logits = np.asarray(model(padded))
+    starts = [len(lm.encode(p)) - 1 for p in prompts]
+    return np.concatenate([logits[i, start:len(row)] for i, (start, row) in enumerate(zip(starts, rows,
+                                                                                           strict=True))])
+
+
+drift = {}
+for cache_dtype in ("int8", "float8_e4m3fn"):
+    quant = lm.serve(model, [lm.encode(p) for p in prompts], NEW_TOKENS, slots=SLOTS,
+                     page_size=PAGE_SIZE, num_pages=NUM_PAGES, chunk=CHUNK, cache_dtype=cache_dtype,
+                     keep_logits=True)
+    expected = teacher_forced(quant.tokens)
+    drift[cache_dtype] = float(np.abs(np.concatenate(quant.logits) - expected).max()
+                               / np.abs(expected).max())
+    same = sum(bool(np.array_equal(a, b)) for a, b in zip(quant.tokens, mixed.tokens, strict=True))
+    print(f"{cache_dtype:>14} cache: logits within {drift[cache_dtype]:.1e} of the full-width cache's "
+          f"(relative); {same} of {len(prompts)} prompts' greedy tokens unchanged")
+# The property, on every machine: quantization moves the logits, a little (int8 less than fp8's 3
+# mantissa bits).
+assert 0 < drift["int8"] < drift["float8_e4m3fn"] < 0.1
+
+# %% [markdown]
+# int8 keeps 8 bits of each entry against fp8's 3 mantissa bits, so its logits move less at the same
+# byte count; either halves a bfloat16 cache's bytes, which `benchmarks/decode_engine.py` compiles
+# for v5e and v6e beside JAX's own ragged kernel (the book's *decode engine* page).
+#
 # ## 5 · A realistic size, compiled for TPU v5e (compiled, not run)
 #
 # Now the same code at a size where the implementation matters: `BIG_LAYERS` layers of width
@@ -407,6 +473,10 @@ for kind in ("train step", "decode step"):
 #
 # > **Takeaway.** Check a server against recomputation: greedy tokens from the cache must equal those
 # > of running the whole sequence again, a test that catches a wrong page, position or length.
+#
+# > **Takeaway.** Engines step ragged batches: prompt chunks beside single-token decodes in one call
+# > (`cu_q_lens`), so a new prompt never stalls the others; a quantized cache halves decode's traffic
+# > for a measured change in the logits.
 #
 # > **Takeaway.** Which implementation to use is a question of cost at your shape, and the compiler
 # > answers it before you rent a chip: read its peak HBM per implementation.
