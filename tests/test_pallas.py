@@ -448,7 +448,8 @@ def test_bad_options_are_refused_through_the_contract():
     # block_sizes=, the old spelling, is read as blocks=Blocks.uniform(96): 96 keys are not whole lanes.
     with pytest.raises(ValueError, match=r"^blocks\.block_kv: expected a multiple of 128, got 96"):
         tpuattn.attention(q, q, q, impl="pallas", block_sizes=96)
-    with pytest.raises(ValueError, match="^block_sizes: expected None, a tpuattn.options.Blocks or a positive"):
+    with pytest.raises(ValueError,
+                       match="^block_sizes: expected None, a tpuattn.options.Blocks or a positive"):
         tpuattn.attention(q, q, q, impl="pallas", block_sizes="big")
     with pytest.raises(ValueError, match=r"^pallas: unknown option\(s\) \['tile'\]"):
         tpuattn.attention(q, q, q, impl="pallas", tile=128)
