@@ -76,7 +76,7 @@ def test_the_exp_rate_is_what_the_compiler_schedules(chip, tmp_path):
 
 
 def test_package_kernels():
-    rows = {row.name: row for row in static.package_report("v5e", seq_len=1024, heads=1)}
+    rows = {row.name: row for row in static.package_report("v5e", seq_len=4096, heads=1)}
     assert sorted(rows) == ["tpuattn_flash_dkv", "tpuattn_flash_dq", "tpuattn_flash_forward",
                             "tpuattn_flash_row_sums"]
     # Matmuls per tile of the kernels' code (masked and unmasked branches each hold them): forward
@@ -92,8 +92,8 @@ def test_package_kernels():
 def test_one_transcendental_per_score_and_a_softcap_adds_its_tanh():
     # Each kernel computes one (block_q x block_kv) float32 score tile per branch (masked and not, both
     # counted), 8 x 128 scores a vector register; its first matmul is that tile's Q K^T.
-    plain = {row.name: row for row in static.package_report("v5e", seq_len=1024, heads=1)}
-    capped = {row.name: row for row in static.package_report("v5e", seq_len=1024, heads=1, softcap=30.0)}
+    plain = {row.name: row for row in static.package_report("v5e", seq_len=4096, heads=1)}
+    capped = {row.name: row for row in static.package_report("v5e", seq_len=4096, heads=1, softcap=30.0)}
     assert sorted(plain) == sorted(capped)
     for name, row in plain.items():
         m_rows, _, n_cols, _ = row.matmuls[0]
