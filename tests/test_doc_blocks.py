@@ -91,7 +91,8 @@ def run_pages(paths: list[Path], cwd: Path, root: Path = ROOT) -> subprocess.Com
         blocks = [(f"{relative}:{line}", "\n" * line + body) for line, body in python_blocks(path)]
         pages.append((relative, blocks))
     script = f"PAGES = {pages!r}\n{RUNNER}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MPLBACKEND": "Agg", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+           "MPLBACKEND": "Agg", "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=900)
 

@@ -180,6 +180,9 @@ class _Declared(type):
     def __len__(cls) -> int:
         return len(cls.names())
 
+    def __bool__(cls) -> bool:  # a class is true, as every class is, whatever its number of options
+        return True
+
 
 class Options(metaclass=_Declared):
     """The base of every record: a frozen dataclass whose fields are the options, ``None`` by default.
@@ -193,7 +196,9 @@ class Options(metaclass=_Declared):
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        # The base itself is no dataclass: it declares no option (tools such as Sphinx's autodoc ask
+        # every class its length).
+        return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

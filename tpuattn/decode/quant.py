@@ -1,5 +1,7 @@
-"""Quantized KV caches: :func:`quantize` new keys or values to ``int8`` or ``float8_e4m3fn`` entries with
-a scale, and :func:`write` them into a paged cache (what a server calls each step).
+"""Quantized KV caches: one-byte entries with a float32 scale, and the paged write that stores them.
+
+:func:`quantize` makes ``int8`` or ``float8_e4m3fn`` entries of new keys or values with a scale, and
+:func:`write` stores them into a paged cache (what a server calls each step).
 
 An entry ``e`` of a quantized cache stands for ``e * scale`` (float32) of its kv head: ``scale`` is one
 float32 for the whole tensor or one per kv head (``[kv_heads]``), the ``k_scale`` / ``v_scale`` of
@@ -77,7 +79,7 @@ def store(x, scale, dtype):
 
 def write(pages, new, page_table, positions, *, seq=None, scale=None):
     """``pages`` with rows ``new [n, kv_heads, head_dim]`` stored at ``positions [n]`` of sequences
-    ``seq [n]`` (default ``0 .. n-1``: one row per sequence, a decode step), through ``page_table
+    ``seq [n]`` (default ``range(n)``: one row per sequence, a decode step), through ``page_table
     [batch, pages_per_sequence]``: position ``j`` of sequence ``b`` is row ``j % page_size`` of page
     ``page_table[b, j // page_size]``.
 
