@@ -9,7 +9,7 @@ lengths (ragged: uniform in [1, capacity], fixed seed):
   ``jax.numpy`` decode over a contiguous cache (mask + softmax over every slot), both compiled by XLA,
   and their ratio;
 * the Pallas kernel's blocks fetched/computed/skipped (``tpuattn.decode.schedule``: the kernel's own
-  index maps), and the modelled time of the same step on TPU v5e and v6e (``tpuattn.model.decode``);
+  index maps), and the modelled time of the same step on TPU v5e and v6e (``tpuattn.model.decode_roofline``);
 * separately, at the smallest capacity only, the Pallas kernel in **interpret mode** off a TPU: a
   simulation of the kernel on the CPU, *not kernel speed*, never compared with the rows above.
 
@@ -28,7 +28,7 @@ import numpy as np
 from tpuattn import decode
 from tpuattn.decode import plain_decode
 from tpuattn.measure.timing import time_jitted
-from tpuattn.model import decode as roofline
+from tpuattn.model import decode_roofline as roofline
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 8, 2, 128, 64
 

@@ -6,8 +6,8 @@ layout, its tuned block sizes for the chip) at notebook 07's serving batch (8 se
 each) and a mixed batch (4 prefill chunks of 256 tokens beside 60 single-token decodes), 32 query heads
 on 8 kv heads of 128, 16 pages of 64 rows per sequence, over bfloat16, int8 and fp8 (e4m3) caches
 (:func:`tpuattn.measure.aot.decode_engine_rows`). For each: XLA's bytes accessed (cost analysis), the
-ratio to the decode model's bytes (:mod:`tpuattn.model.decode`, modelled, every sequence's cache full),
-peak HBM (``memory_analysis()``), and whether it compiled (the compiler's error if not)::
+ratio to the decode model's bytes (:mod:`tpuattn.model.decode_roofline`, modelled, every sequence's
+cache full), peak HBM (``memory_analysis()``), and whether it compiled (the compiler's error if not)::
 
     JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 .venv/bin/python benchmarks/decode_engine.py \\
         [--chips v5e,v6e] [--json out/decode_engine.json] [--tpu-inference DIR]
@@ -39,7 +39,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 def model_bytes(chip_names) -> dict:
     """``{(chip, shape, cache_dtype): modelled bytes}`` at every case (each sequence's cache full)."""
     from tpuattn.measure import aot
-    from tpuattn.model import decode as roofline
+    from tpuattn.model import decode_roofline as roofline
 
     out = {}
     for chip in chip_names:
@@ -85,7 +85,7 @@ def main(argv=None) -> list:
         setup = (f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nimport decode_engine\n"
                  f"decode_engine.use_tpu_inference({args.tpu_inference!r})")
     rows = aot.decode_engine_rows(chip_names, engines, progress=True, setup=setup)
-    print(f"\n{aot.LABEL}; {aot.versions_text()}; model: tpuattn.model.decode (modelled)\n")
+    print(f"\n{aot.LABEL}; {aot.versions_text()}; model: tpuattn.model.decode_roofline (modelled)\n")
     print(aot.decode_engine_table(rows, model_bytes(chip_names)))
     if args.json:
         doc = dict(command=["python", "benchmarks/decode_engine.py", *(argv or sys.argv[1:])],

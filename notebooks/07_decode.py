@@ -72,7 +72,7 @@ from tpuattn.decode.reference import gather_cache
 from tpuattn.errors import UnsupportedInput
 from tpuattn.exercises import run_checks
 from tpuattn.measure import aot, runtime
-from tpuattn.model import decode as roofline
+from tpuattn.model import decode_roofline as roofline
 from tpuattn.spec import EMPTY, FULL
 from tpuattn.viz import style
 
@@ -111,7 +111,7 @@ rng = np.random.default_rng(0)
 # i.e. `group × q_len` FLOPs per (K, V) byte pair in bf16, where `group = heads / kv_heads` (GQA).
 # The batch is not in it: every sequence reads its *own* cache, so a bigger batch adds bytes and
 # FLOPs in the same ratio. A chip stops being memory-bound at its **ridge point**, peak FLOP/s over
-# HBM bandwidth, which is in the hundreds of FLOPs per byte. `tpuattn.model.decode` models one step
+# HBM bandwidth, which is in the hundreds of FLOPs per byte. `tpuattn.model.decode_roofline` models one step
 # (every number below is **modelled**, a lower bound; chip figures from `tpuattn.chips`, JAX's
 # `tpu_info` table where it agrees with Google Cloud's TPU pages, the page's figure where it does not:
 # v5p's HBM bandwidth, 2765 GB/s, https://cloud.google.com/tpu/docs/v5p).

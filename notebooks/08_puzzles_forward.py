@@ -71,7 +71,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tpuattn.measure import runtime
 from tpuattn.puzzles import check, draw_grid
-from tpuattn.puzzles import forward as puzzles
+from tpuattn.puzzles import forward_puzzles as puzzles
 from tpuattn.viz import style
 
 PLATFORM = runtime.info()
@@ -415,7 +415,7 @@ if RUN_SOLUTIONS:
 #
 # Serving engines keep the KV cache in one byte an entry, int8 or fp8, with a float32 **scale**: entry
 # `e` stands for `e * scale`. Decode reads the whole cache every step, so halving its bytes (from
-# bfloat16) halves the step's traffic (`tpuattn.model.decode`). The kernel below is one decode step
+# bfloat16) halves the step's traffic (`tpuattn.model.decode_roofline`). The kernel below is one decode step
 # for 8 query rows over 256 cached keys in two K/V blocks; the two scales arrive in SMEM by scalar
 # prefetch (`scales_ref[0]` for K, `scales_ref[1]` for V). Write `dequantize(entries, scale)`, which
 # the kernel calls on each int8 block before its matmuls: it returns float32 values. The check compares

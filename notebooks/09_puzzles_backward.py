@@ -68,7 +68,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from tpuattn.measure import runtime
-from tpuattn.puzzles import backward as puzzles
+from tpuattn.puzzles import backward_puzzles as puzzles
 from tpuattn.puzzles import check, draw_grid
 from tpuattn.viz import style
 

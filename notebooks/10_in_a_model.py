@@ -106,7 +106,7 @@ print(f"corpus: {len(data)} bytes of the project's own prose, e.g. {lm.decode_by
 # residual) and a final RMSNorm whose output meets the embedding again (tied weights) to give the
 # logits. Positions enter through rotary embeddings (RoPE), so a cached key keeps its position. The
 # attention is grouped-query (`HEADS` query heads share `KV_HEADS` key/value heads) and is one line
-# of `tpuattn/lm/model.py`:
+# of `tpuattn/lm/transformer.py`:
 #
 # ```python
 # o = attention(q, k, v, causal=True, impl=impl)  # q [b, seq, heads, D]; k, v [b, seq, kv_heads, D]

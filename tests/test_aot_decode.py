@@ -22,7 +22,7 @@ from tpuattn import decode
 from tpuattn.decode import kernel as decode_kernel
 from tpuattn.errors import UnsupportedInput
 from tpuattn.measure import aot
-from tpuattn.model import decode as roofline
+from tpuattn.model import decode_roofline as roofline
 
 require_tpu_compiler()
 

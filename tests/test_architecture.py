@@ -171,7 +171,7 @@ LAYERS = [
 # Inside a package whose files ARCHITECTURE.md orders, the same two rules, file by file.
 INSIDE = {
     "tpuattn.pallas": [("compat",), ("layout",), ("blocks",), ("plan",), ("forward", "backward"), ("vjp",)],
-    "tpuattn.puzzles": [("core",), ("forward", "backward", "capstones")],
+    "tpuattn.puzzles": [("core",), ("forward_puzzles", "backward_puzzles", "capstones")],
 }
 
 
@@ -286,12 +286,6 @@ SHARED_NAMES = {
     "spec": {"tpuattn.spec", "tpuattn.decode.spec"},
     "registry": {"tpuattn.registry", "tpuattn.decode.registry"},
     "reference": {"tpuattn.impl.reference", "tpuattn.decode.reference"},
-    "compat": {"tpuattn.pallas.compat", "tpuattn.decode.compat"},
-    "decode": {"tpuattn.decode", "tpuattn.model.decode"},  # the decode contract and its roofline
-    "model": {"tpuattn.model", "tpuattn.lm.model"},
-    # The kernel puzzles pose the Pallas kernel's two passes.
-    "forward": {"tpuattn.pallas.forward", "tpuattn.puzzles.forward"},
-    "backward": {"tpuattn.pallas.backward", "tpuattn.puzzles.backward"},
 }
 
 

@@ -420,7 +420,7 @@ def test_pallas_is_forward_only_and_says_so():
 
 
 def test_roofline_counts_the_valid_cache_and_group_times_q_len_flops_per_byte_pair():
-    from tpuattn.model import decode as roofline
+    from tpuattn.model import decode_roofline as roofline
 
     r = roofline.decode_roofline([4096, 100, 0], q_len=2, heads=32, kv_heads=8, head_dim=128, chip="v5e")
     assert r.cache_bytes == (4096 + 100) * 2 * 8 * 128 * 2  # K and V, bf16, valid positions only

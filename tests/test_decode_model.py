@@ -1,4 +1,5 @@
-"""The decode roofline's ragged batches and quantized caches (tpuattn.model.decode; modelled numbers).
+"""The decode roofline's ragged batches and quantized caches (tpuattn.model.decode_roofline; modelled
+numbers).
 
 The expected bytes and FLOPs are counted here from the problem's description, per sequence and per
 array (K, V, their scales, q, the output, the int32 metadata), not from the model's formula.
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from tpuattn.errors import TpuattnError
-from tpuattn.model import decode
+from tpuattn.model.decode_roofline import decode_roofline
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -42,13 +43,13 @@ def _count(lengths, q_lens, *, cache_itemsize, scales_per_tensor, pages_per_sequ
 def test_a_quantized_cache_moves_one_byte_an_element_plus_its_scales(cache_dtype, scales, itemsize,
                                                                        per_tensor):
     lengths = [1024, 700, 5, 0]
-    r = decode.decode_roofline(lengths, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+    r = decode_roofline(lengths, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                cache_dtype=cache_dtype, scales=scales, pages_per_sequence=16, chip="v6e")
     cache, io, flops = _count(lengths, [1] * 4, cache_itemsize=itemsize, scales_per_tensor=per_tensor,
                               pages_per_sequence=16, ragged=False)
     assert (r.cache_bytes, r.io_bytes, r.flops) == (cache, io, flops)
     assert r.scale_bytes == 2 * per_tensor * 4 and r.cache_dtype == cache_dtype and r.label == "modelled"
-    full = decode.decode_roofline(lengths, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+    full = decode_roofline(lengths, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                   pages_per_sequence=16, chip="v6e")
     # about half a bfloat16 cache's bytes, the same FLOPs at q's (bfloat16) peak: twice the intensity
     assert r.cache_bytes - r.scale_bytes == full.cache_bytes * itemsize / 2
@@ -62,7 +63,7 @@ def test_a_ragged_batch_counts_each_sequence_with_its_own_queries(window_left):
     # sequence (no new query).
     lengths = [1024, 300, 256, 77, 1, 640]
     q_lens = [256, 200, 256, 1, 1, 0]
-    r = decode.decode_roofline(lengths, q_lens=q_lens, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+    r = decode_roofline(lengths, q_lens=q_lens, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                                window_left=window_left, pages_per_sequence=16)
     cache, io, flops = _count(lengths, q_lens, cache_itemsize=2, scales_per_tensor=0, pages_per_sequence=16,
                               window_left=window_left)
@@ -71,8 +72,8 @@ def test_a_ragged_batch_counts_each_sequence_with_its_own_queries(window_left):
 
 def test_a_ragged_batch_of_equal_query_lengths_costs_what_the_uniform_batch_does_plus_its_offsets():
     kw = dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, pages_per_sequence=8, chip="v5e")
-    uniform = decode.decode_roofline([512, 100, 9], q_len=4, **kw)
-    ragged = decode.decode_roofline([512, 100, 9], q_lens=np.array([4, 4, 4]), **kw)
+    uniform = decode_roofline([512, 100, 9], q_len=4, **kw)
+    ragged = decode_roofline([512, 100, 9], q_lens=np.array([4, 4, 4]), **kw)
     assert ragged.cache_bytes == uniform.cache_bytes and ragged.flops == uniform.flops
     assert ragged.io_bytes - uniform.io_bytes == 4 * (3 + 1) + 4  # cu_q_lens and num_seqs
 
@@ -90,4 +91,4 @@ def test_a_ragged_batch_of_equal_query_lengths_costs_what_the_uniform_batch_does
 ])
 def test_bad_model_inputs_are_refused_naming_the_argument(kwargs, match):
     with pytest.raises(TpuattnError, match=match):
-        decode.decode_roofline([10, 10, 10], heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, **kwargs)
+        decode_roofline([10, 10, 10], heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, **kwargs)

@@ -238,13 +238,13 @@ def test_stubs_fail_and_solutions_pass(path, monkeypatch, capsys):
     assert stub is None, f"{path.name}: the puzzle at line {stub['line']} has no solution cell"
     assert solved, f"{path.name} has no puzzles"
     if path.stem == "08_puzzles_forward":
-        from tpuattn.puzzles import forward
+        from tpuattn.puzzles import forward_puzzles
 
-        assert {p.name for p in forward.PUZZLES} <= set(solved)
+        assert {p.name for p in forward_puzzles.PUZZLES} <= set(solved)
     if path.stem == "09_puzzles_backward":
-        from tpuattn.puzzles import backward
+        from tpuattn.puzzles import backward_puzzles
 
-        assert {p.name for p in backward.PUZZLES} <= set(solved)
+        assert {p.name for p in backward_puzzles.PUZZLES} <= set(solved)
     if path.stem == "12_capstones":
         from tpuattn.puzzles import capstones
 
@@ -285,7 +285,7 @@ def _add_specs(bias_map):
 
 
 def _gqa_specs(q_map):
-    from tpuattn.puzzles import forward as fw
+    from tpuattn.puzzles import forward_puzzles as fw
 
     def specs():
         q_spec = pl.BlockSpec((None, fw.GQA_GROUP, fw.GQA_BLOCK_Q, fw.HEAD_DIM), q_map)
@@ -295,7 +295,7 @@ def _gqa_specs(q_map):
 
 
 def test_an_index_map_outside_its_array_fails_naming_the_step_and_the_block(capsys):
-    from tpuattn.puzzles import forward as fw
+    from tpuattn.puzzles import forward_puzzles as fw
 
     # Puzzle 2: the bias is one row of blocks; naming its row block i asks for row block 1 at i = 1,
     # which interpret mode clamps to row block 0, the right one.
@@ -331,7 +331,7 @@ def _matmul_zeroed_once(x_ref, y_ref, o_ref, acc_ref):
 
 
 def test_scratch_carried_across_a_parallel_axis_fails(capsys):
-    from tpuattn.puzzles import forward as fw
+    from tpuattn.puzzles import forward_puzzles as fw
 
     x, y = fw.MATMUL.inputs()  # right in order: the values cannot show it
     got = fw.MATMUL.build(_matmul_zeroed_once, interpret=True)(x, y)

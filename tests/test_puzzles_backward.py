@@ -14,7 +14,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
-from tpuattn.puzzles import backward as bw  # noqa: E402
+from tpuattn.puzzles import backward_puzzles as bw  # noqa: E402
 from tpuattn.puzzles import check  # noqa: E402
 
 

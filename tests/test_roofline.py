@@ -463,9 +463,9 @@ def test_the_splash_rule_docstring_matches_the_model():
 @pytest.mark.parametrize("dtype, passes, itemsize", [("bfloat16", 1, 2), ("float32", 6, 4)])
 def test_the_decode_roofline_works_per_device_with_the_dtypes_peak(name, chip_gbps, chip_tflops, share,
                                                                     dtype, passes, itemsize):
-    from tpuattn.model import decode
+    from tpuattn.model.decode_roofline import decode_roofline
 
-    r = decode.decode_roofline([4096] * 8, heads=32, kv_heads=8, head_dim=128, dtype=dtype, chip=name)
+    r = decode_roofline([4096] * 8, heads=32, kv_heads=8, head_dim=128, dtype=dtype, chip=name)
     bandwidth, peak = chip_gbps * 1e9 * share, chip_tflops * 1e12 * share / passes
     cache = 8 * 4096 * 2 * 8 * 128 * itemsize
     io = 2 * 8 * 32 * 128 * itemsize + 4 * 8
@@ -480,10 +480,10 @@ def test_the_decode_roofline_works_per_device_with_the_dtypes_peak(name, chip_gb
 
 
 def test_the_decode_roofline_accepts_a_chip_spec():
-    from tpuattn.model import decode
+    from tpuattn.model.decode_roofline import decode_roofline
 
-    a = decode.decode_roofline([1000], heads=8, kv_heads=8, head_dim=128, chip="tpu7x")
-    b = decode.decode_roofline([1000], heads=8, kv_heads=8, head_dim=128, chip=roofline.chip_spec("tpu7x"))
+    a = decode_roofline([1000], heads=8, kv_heads=8, head_dim=128, chip="tpu7x")
+    b = decode_roofline([1000], heads=8, kv_heads=8, head_dim=128, chip=roofline.chip_spec("tpu7x"))
     assert a == b and a.chip == "tpu7x"
 
 

@@ -16,7 +16,7 @@ scales and store new keys and values into pages. Implementations (declared in
   translated or refused (:mod:`.native`).
 
 ``impl="auto"`` picks ``pallas`` on a TPU and ``reference`` elsewhere. :func:`schedule` counts the
-blocks the kernel fetches and skips; :mod:`tpuattn.model.decode` models a decode step's bytes, FLOPs
+blocks the kernel fetches and skips; :mod:`tpuattn.model.decode_roofline` models a decode step's bytes, FLOPs
 and time per JAX device (modelled numbers).
 """
 

@@ -46,10 +46,10 @@ import numpy as np
 
 from tpuattn import chips
 from tpuattn._checks import known_options
-from tpuattn.decode import compat
 from tpuattn.decode.registry import register
 from tpuattn.decode.spec import DecodeSpec
 from tpuattn.numerics import x64
+from tpuattn.pallas import compat
 from tpuattn.supports import compiling_off_tpu_refused, low_precision_matmul_refused
 
 OPTIONS = ("interpret",)

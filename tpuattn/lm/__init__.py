@@ -1,6 +1,6 @@
 """A small language model with tpuattn inside: train it, checkpoint it, serve it.
 
-* :mod:`.model`: a byte-level decoder-only transformer in Flax NNX (RMSNorm, RoPE, grouped-query
+* :mod:`.transformer`: a byte-level decoder-only transformer in Flax NNX (RMSNorm, RoPE, grouped-query
   attention through :func:`tpuattn.attention` with ``impl=`` one argument, a SwiGLU MLP);
 * :mod:`.data`: the corpus the package ships (its own README prose) and training windows;
 * :mod:`.train`: next-byte cross-entropy and an optax training step;
@@ -14,9 +14,9 @@ Needs Flax and optax (``pip install tpuattn[flax]``); importing :mod:`tpuattn` d
 """
 
 from tpuattn.lm.data import batches, corpus, decode_bytes, encode
-from tpuattn.lm.model import VOCAB, Config, PagedCache, Transformer
 from tpuattn.lm.serve import PageAllocator, Served, calibrate, recompute, serve
 from tpuattn.lm.train import loss_fn, make_train_step, train
+from tpuattn.lm.transformer import VOCAB, Config, PagedCache, Transformer
 
 __all__ = ["VOCAB", "Config", "PageAllocator", "PagedCache", "Served", "Transformer", "batches", "calibrate",
            "corpus", "decode_bytes", "encode", "loss_fn", "make_train_step", "recompute", "serve", "train"]

@@ -7,14 +7,14 @@ How it works, one loop iteration at a time (:func:`serve`):
    through the model once (*prefill*, :func:`tpuattn.attention` over the whole prompt), and its keys
    and values are written into those pages. Its first new token is the argmax of the last logits.
 2. **Decode.** Every occupied slot advances by one token in one call of the model's
-   :meth:`~tpuattn.lm.model.Transformer.decode_step` (:func:`tpuattn.decode.attention` with the page
+   :meth:`~tpuattn.lm.transformer.Transformer.decode_step` (:func:`tpuattn.decode.attention` with the page
    table). Empty slots ride along with length 0 and a page table of the *scratch page* (page 0, never
    handed out), so the step's shapes never change and it compiles once.
 3. **Retire.** A sequence that has its tokens gives its pages back; the next prompt takes them.
 
 With ``chunk=C`` the server steps as TPU inference engines do (continuous batching with chunked
 prefill): an admitted prompt is not prefilled in a call of its own but fed ``C`` tokens a step beside
-the running decodes, all in one call of :meth:`~tpuattn.lm.model.Transformer.mixed_step` (a ragged
+the running decodes, all in one call of :meth:`~tpuattn.lm.transformer.Transformer.mixed_step` (a ragged
 batch: :func:`tpuattn.decode.attention` with ``cu_q_lens``), so a new prompt never stalls the others.
 ``cache_dtype="int8"`` or ``"float8_e4m3fn"`` (with ``chunk``) keeps the KV cache quantized, one byte
 an entry, with per-layer, per-kv-head scales from :func:`calibrate`.
@@ -35,7 +35,7 @@ from flax import nnx
 
 from tpuattn._checks import is_int, positive_int
 from tpuattn.decode.quant import QMAX
-from tpuattn.lm.model import VOCAB, PagedCache
+from tpuattn.lm.transformer import VOCAB, PagedCache
 
 __all__ = ["SCRATCH_PAGE", "PageAllocator", "Served", "calibrate", "recompute", "serve"]
 
@@ -122,7 +122,7 @@ def serve(model, prompts, max_new_tokens, *, slots: int = 2, page_size: int = 8,
     """Greedy decoding of every prompt with continuous batching over a paged KV cache.
 
     Args:
-      model: a :class:`~tpuattn.lm.model.Transformer`.
+      model: a :class:`~tpuattn.lm.transformer.Transformer`.
       prompts: a list of 1-D byte-id arrays, any lengths.
       max_new_tokens: how many tokens to generate, one int or one per prompt.
       slots: sequences decoded together (the decode batch).

@@ -193,8 +193,8 @@ def first_error_line(error: BaseException) -> str:
     """The compiler's message in one line: its first error line, plus the sizes of a VMEM overflow.
 
     Terminal colour codes (JAX colours jaxprs it prints inside Jupyter) are removed and source paths
-    shortened to the file's name (``/home/me/tpuattn/puzzles/backward.py:564`` -> ``backward.py:564``),
-    so the message reads the same on every machine."""
+    shortened to the file's name (``/home/me/tpuattn/puzzles/backward_puzzles.py:564`` ->
+    ``backward_puzzles.py:564``), so the message reads the same on every machine."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
     text = re.sub(r"(?:[A-Za-z]:)?[/\\][^\s:'\"]*[/\\]([^/\\\s:'\"]+\.py)\b", r"\1", text)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -1016,7 +1016,7 @@ def decode_engine_table(rows, model_bytes=None) -> str:
     """The side-by-side table (Markdown): per chip, shape and cache dtype, each engine's compiled bytes
     accessed (XLA's cost analysis), peak HBM, and whether it compiled (its error if not).
     ``model_bytes``: an optional ``{(chip, shape, cache_dtype): bytes}``
-    of :mod:`tpuattn.model.decode` (modelled) for a ratio column (the measuring layer does not import
+    of :mod:`tpuattn.model.decode_roofline` (modelled) for a ratio column (the measuring layer does not import
     the model)."""
     mb = lambda value: "-" if value is None else f"{value / 1e6:.1f}"
     head = ["chip", "shape", "cache", "engine", "status", "bytes accessed MB", "peak HBM MB"]

@@ -7,7 +7,8 @@ from :mod:`tpuattn.chips`, each implementation's schedule and default blocks fro
 record, the Pallas kernel's VMEM need and budget from :mod:`tpuattn.pallas.blocks`.
 
 **Units: one JAX device.** Every model in :mod:`tpuattn.model` (this roofline, the decode roofline
-:mod:`tpuattn.model.decode`, the ring's communication :mod:`tpuattn.model.comm`) works per JAX device:
+:mod:`tpuattn.model.decode_roofline`, the ring's communication :mod:`tpuattn.model.comm`) works per JAX
+device:
 :func:`chip_spec` gives one *device* of a chip: peak bf16 FLOP/s, HBM bandwidth and capacity, its
 share of an ICI link, and VMEM per TensorCore. A device is the whole chip on v5e and v6e (one
 TensorCore) and on the megacore v4 and v5p (one device spans both TensorCores), and one TensorCore,

@@ -19,17 +19,25 @@
   ``PjRtTopology::GetDefaultLayout``, JAX 0.7.2, Python 3.11 and 3.13). A compile-only program never
   runs, so :func:`match_installed_libtpu` has JAX skip the query for compile-only devices.
 
-* none yet, but named here: :data:`INTERPRETER_READS_VARYING_TABLES`.
+* none yet, but named here: :data:`INTERPRETER_READS_VARYING_TABLES`;
+* which of JAX's own TPU kernels the installed JAX ships, and whether it can interpret them off a TPU
+  (:func:`has_module`, :func:`has_interpret_mode`, :func:`force_tpu_interpret_mode`: present in both
+  versions, wrapped so that a JAX without them reports :mod:`tpuattn.decode.native`'s kernels
+  unavailable instead of failing at import).
 
 Checked and found the same in 0.7.2 and 0.10.2 (so used directly, not wrapped):
 ``pltpu.CompilerParams(dimension_semantics=...)`` with strings, ``pltpu.VMEM``,
-``pltpu.PrefetchScalarGridSpec``, ``pl.BlockSpec`` with ``None`` for squeezed dimensions,
-``pltpu.InterpretParams(detect_races=...)`` and ``pltpu.force_tpu_interpret_mode``.
+``pltpu.PrefetchScalarGridSpec`` (``num_scalar_prefetch=``), ``pl.BlockSpec`` with ``None`` for
+squeezed dimensions, ``pl.CostEstimate``, ``pltpu.InterpretParams(detect_races=...)``, and
+``jax.experimental.pallas.ops.tpu.paged_attention.paged_attention`` and
+``...ops.tpu.ragged_paged_attention.ragged_paged_attention`` (the same arguments).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import re
 
 import jax
@@ -59,6 +67,24 @@ def roll_lanes(x, shift: int):
     if ROTATES_16_BIT or jnp.dtype(x.dtype).itemsize == 4:
         return pltpu.roll(x, shift, x.ndim - 1)
     return pltpu.roll(x.astype(jnp.float32), shift, x.ndim - 1).astype(x.dtype)
+
+
+def has_module(name: str) -> bool:
+    """True when ``name`` imports on this JAX."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def has_interpret_mode() -> bool:
+    """True when JAX's own TPU kernels can run off a TPU (``pltpu.force_tpu_interpret_mode``)."""
+    return hasattr(pltpu, "force_tpu_interpret_mode")
+
+
+def force_tpu_interpret_mode() -> contextlib.AbstractContextManager:
+    """``pltpu.force_tpu_interpret_mode()``: JAX's TPU kernels (with their own DMAs) interpreted on CPU."""
+    return pltpu.force_tpu_interpret_mode()
 
 
 def race_state():
