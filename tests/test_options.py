@@ -1,7 +1,9 @@
 """Typed options: every implementation's options are one frozen record (tpuattn.options), validated on
 construction with the field, what was expected and what was given; listed by tpuattn.options_of and in
 tpuattn.choose's answer; one Blocks type for every tiled implementation (old spellings read into it);
-tpuattn.parallel forwards only what its local kernel declares; interpret resolved one way.
+tpuattn.parallel forwards only what its local kernel declares; interpret resolved one way. The decode
+contract's split-K kernel reads DecodeKernelOptions (listed by tpuattn.decode.options_of) and the lesson
+kernel LessonOptions.
 
 Values are checked against the float64 NumPy oracle (tests/oracle.py); that block sizes reach a
 kernel is read from the Pallas grid of the traced program (``q_len // block_q`` query blocks).
@@ -10,6 +12,7 @@ kernel is read from the Pallas grid of the traced program (``q_len // block_q`` 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.extend
@@ -21,11 +24,18 @@ from jax.sharding import Mesh
 from oracle import oracle_attention, oracle_grads
 
 import tpuattn
-from tpuattn import api, chips, options, parallel
+from tpuattn import api, chips, decode, options, parallel
 from tpuattn.errors import TpuattnError, UnsupportedInput
-from tpuattn.options import Blocks, BlockwiseOptions, PallasOptions, SplashOptions
+from tpuattn.options import (
+    Blocks,
+    BlockwiseOptions,
+    DecodeKernelOptions,
+    LessonOptions,
+    PallasOptions,
+    SplashOptions,
+)
 
-TILED = ("blockwise", "splash", "pallas")
+TILED = ("blockwise", "splash", "pallas", "lesson")
 
 
 def _pallas_grids(fn, *args) -> list[tuple[int, ...]]:
@@ -268,3 +278,178 @@ def test_scoped_vmem_limit_is_one_rule():
     assert pallas_blocks.vmem_limit_bytes(need, 2, chip) == options.scoped_vmem_limit(
         need, pallas_blocks.VMEM_MARGIN, chip)
     assert pallas_blocks.vmem_limit_bytes(need, 1, chip) is None
+
+
+# ---------------------------------------------------------------------------- the lesson kernel's record
+def test_lesson_declares_its_record_and_options_of_lists_it():
+    from tpuattn.lesson import flash
+
+    assert api.get_implementation("lesson").options is LessonOptions is flash.OPTIONS
+    assert LessonOptions in options.RECORDS
+    assert tpuattn.options_of("lesson") == {
+        "blocks": "Blocks | None = None", "interpret": "bool | None = None",
+        "block_q": "old spelling, read as blocks.block_q",
+        "block_kv": "old spelling, read as blocks.block_kv"}
+    assert LessonOptions.parse({"block_q": 16, "block_kv": 8}).blocks == Blocks(16, 8)
+    assert LessonOptions.parse({"blocks": Blocks(block_kv=24)}).blocks.forward == (None, 24)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(blocks=Blocks(block_q=12)), r"^blocks\.block_q: expected a multiple of 8, got 12 \(impl='lesson': "
+                                      r".*8 sublanes\)$"),
+    (dict(blocks=Blocks(block_kv=20)), r"^blocks\.block_kv: expected a multiple of 8, got 20 "
+                                       r"\(impl='lesson'"),
+    # its dQ and dK/dV kernels walk the forward's tiles: a backward block would be ignored, so refused
+    (dict(blocks=Blocks(block_q=8, backward_block_kv=128)), r"^blocks\.backward_block_kv: expected None for "
+                                                           r"impl='lesson' \(it takes \['block_kv', "
+                                                           r"'block_q'\]\), got 128$"),
+    (dict(interpret="simulate"), r"^interpret: expected a bool or None for impl='lesson', got 'simulate'$"),
+])
+def test_lesson_options_refuse_bad_values_by_name(kwargs, message):
+    with pytest.raises(TpuattnError, match=message):
+        LessonOptions(**kwargs)
+
+
+def test_lesson_refuses_a_bad_block_and_an_unknown_option_before_running():
+    q, k, v = random_qkv(np.random.default_rng(5), 16, 16)
+    with pytest.raises(TpuattnError, match=r"^blocks\.block_kv: expected a multiple of 8, got 12 "):
+        tpuattn.attention(q, k, v, impl="lesson", block_kv=12)
+    with pytest.raises(TpuattnError, match=r"^lesson: unknown option\(s\) \['block_sizes'\]; expected a "
+                                           r"subset of \['block_kv', 'block_q', 'blocks', 'interpret'\]$"):
+        tpuattn.attention(q, k, v, impl="lesson", block_sizes=8)
+    with pytest.raises(TpuattnError, match=r"^lesson: expected block sizes one way, got blocks= and "
+                                           r"\['block_q'\]"):
+        tpuattn.attention(q, k, v, impl="lesson", blocks=Blocks(block_kv=8), block_q=8)
+
+
+def test_lesson_runs_the_blocks_it_is_given():
+    q = jnp.zeros((1, 64, 2, 32), jnp.float32)
+    for kwargs, block_q in ((dict(), 64), (dict(block_q=16), 16),
+                            (dict(blocks=Blocks(block_q=32, block_kv=8)), 32)):
+        attend = lambda q, kw=kwargs: tpuattn.attention(q, q, q, causal=True, impl="lesson", **kw)
+        grids = _pallas_grids(attend, q)
+        assert len(grids) == 1 and grids[0][2] == 64 // block_q, (kwargs, grids)
+
+
+# ---------------------------------------------------------------------------- the decode kernel's record
+DECODE_FIELDS = ("block_size", "chunk_blocks", "pages_per_step", "q_block", "interpret")
+
+
+def test_decode_pallas_declares_its_record_and_options_of_lists_it():
+    from tpuattn.decode import kernel
+
+    record = decode.get_implementation("pallas").options
+    assert record is DecodeKernelOptions is kernel.OPTIONS
+    assert record.fields() == record.names() == DECODE_FIELDS
+    listed = decode.options_of("pallas")
+    assert tuple(listed) == DECODE_FIELDS
+    assert listed["q_block"] == "int | None = None" and listed["interpret"] == "bool | None = None"
+    assert decode.options_of("reference") == {}
+    assert decode.options_of("jax_paged") == {"interpret": "declared by name"}  # a plain tuple of names
+    spec = decode.decode_spec_from_shapes(batch=2, q_len=1, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                                          capacity=64, page_size=16, num_pages=8, pages_per_sequence=4)
+    choice = decode.choose(spec, "tpu")
+    assert choice.impl == "pallas" and choice.options == DECODE_FIELDS
+    with pytest.raises(TpuattnError, match=r"^impl: expected one of .*got 'nope'"):
+        decode.options_of("nope")
+
+
+@pytest.mark.parametrize("field,value", [("q_block", 0), ("q_block", True), ("chunk_blocks", 0),
+                                         ("pages_per_step", -2), ("block_size", 8.0)])
+def test_decode_kernel_options_refuse_a_bad_size_naming_the_field_and_value(field, value):
+    with pytest.raises(TpuattnError, match=rf"^{field}: expected None or a positive int for "
+                                           rf"tpuattn\.decode\.attention\(impl='pallas'\), got {value!r}$"):
+        DecodeKernelOptions(**{field: value})
+
+
+def test_decode_kernel_options_take_numpy_ints_and_check_interpret():
+    chosen = DecodeKernelOptions.parse({"q_block": np.int64(4), "chunk_blocks": np.int32(2)})
+    assert chosen.kwargs() == {"chunk_blocks": 2, "q_block": 4} and type(chosen.q_block) is int
+    with pytest.raises(TpuattnError, match=r"^interpret: expected a bool or None for impl='pallas', got 1$"):
+        DecodeKernelOptions(interpret=1)
+
+
+def _decode_inputs(paged: bool, ragged: bool, seed: int = 0):
+    """Small decode inputs: 2 sequences, 4 query heads over 2 kv heads of 32, capacity 32 (pages of 8)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array([13, 30], np.int32)
+    if paged:
+        k = rng.standard_normal((10, 8, 2, 32)).astype(np.float32)
+        table = np.array([[3, 0, 7, 1], [2, 9, 5, 4]], np.int32)
+    else:
+        k, table = rng.standard_normal((2, 32, 2, 32)).astype(np.float32), None
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    extra = dict(page_table=table)
+    if ragged:  # 3 and 5 new tokens, then a padding row
+        q = rng.standard_normal((9, 4, 32)).astype(np.float32)
+        extra["cu_q_lens"] = np.array([0, 3, 8], np.int32)
+    else:
+        q = rng.standard_normal((2, 2, 4, 32)).astype(np.float32)
+    return (q, k, v, lengths), extra
+
+
+def _refused_before_tracing(monkeypatch):
+    from tpuattn.decode import kernel
+
+    traced = []
+    monkeypatch.setattr(kernel, "partials", lambda *a, **k: traced.append(1))
+    return traced
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(q_block=0), r"^q_block: expected None or a positive int for tpuattn\.decode\.attention"
+                      r"\(impl='pallas'\), got 0$"),
+    (dict(q_block="4"), r"^q_block: expected None or a positive int .*, got '4'$"),
+    (dict(chunk_blocks=0), r"^chunk_blocks: expected None or a positive int for tpuattn\.decode\.attention"
+                           r"\(impl='pallas'\), got 0$"),
+    (dict(tile=8), r"^pallas: unknown option\(s\) \['tile'\]; expected a subset of \['block_size', "
+                   r"'chunk_blocks', 'interpret', 'pages_per_step', 'q_block'\]$"),
+    (dict(interpret="yes"), r"^interpret: expected a bool or None for impl='pallas', got 'yes'$"),
+])
+def test_decode_pallas_refuses_bad_options_naming_the_option_and_value(kwargs, message, monkeypatch):
+    traced = _refused_before_tracing(monkeypatch)
+    args, extra = _decode_inputs(paged=True, ragged=True)
+    with pytest.raises(TpuattnError, match=message):
+        decode.attention(*args, **extra, impl="pallas", **kwargs)
+    assert not traced
+
+
+@pytest.mark.parametrize("paged,ragged,kwargs,message", [
+    (True, False, dict(q_block=4), "q_block: queries per work item of a ragged batch (cu_q_lens); expected "
+                                   "None for a dense q, got 4"),
+    (True, True, dict(block_size=8), "block_size: a paged cache's block is its page; expected None, got 8"),
+    (False, False, dict(pages_per_step=2), "pages_per_step: a contiguous cache has no pages (set "
+                                           "block_size); expected None, got 2"),
+])
+def test_decode_pallas_keeps_the_checks_that_need_the_spec(paged, ragged, kwargs, message):
+    args, extra = _decode_inputs(paged, ragged)
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        decode.attention(*args, **extra, impl="pallas", **kwargs)
+
+
+def test_decode_kernel_geometry_reads_its_sizes_through_the_record():
+    from tpuattn.decode import kernel
+
+    spec = decode.decode_spec_from_shapes(batch=2, q_len=1, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                                          capacity=64)
+    geo = kernel.geometry(spec, block_size=np.int64(16), chunk_blocks=2)
+    assert (geo.block, geo.num_blocks, geo.chunk_steps, geo.num_chunks) == (16, 4, 2, 2)
+    with pytest.raises(TpuattnError, match=r"^chunk_blocks: expected None or a positive int .*got 0$"):
+        kernel.geometry(spec, chunk_blocks=0)
+    with pytest.raises(TpuattnError, match=r"^pages_per_step: expected None or a positive int .*got 0$"):
+        decode.schedule([5, 9], 8, pages_per_step=0)
+
+
+@pytest.mark.parametrize("paged,ragged,kwargs", [
+    (True, False, dict(chunk_blocks=1, pages_per_step=2, interpret=True)),
+    (False, False, dict(block_size=8, chunk_blocks=np.int64(2))),
+    (True, True, dict(q_block=2, chunk_blocks=3, pages_per_step=1)),
+    (False, True, dict(q_block=4, block_size=16)),
+])
+def test_decode_pallas_with_options_equals_the_reference(paged, ragged, kwargs):
+    args, extra = _decode_inputs(paged, ragged, seed=7)
+    want = decode.attention(*args, **extra, impl="reference")
+    got = decode.attention(*args, **extra, impl="pallas", **kwargs)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert np.abs(np.asarray(want)).max() > 0.1  # not trivially zero

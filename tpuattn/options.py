@@ -7,14 +7,18 @@ anything is traced. :func:`tpuattn.options_of` lists a record's options; :func:`
 :class:`~tpuattn.registry.Choice` shows the chosen implementation's.
 
 * :class:`Blocks` -- the block sizes of every tiled implementation (``blockwise``, ``splash``,
-  ``pallas``): the forward's ``block_q`` x ``block_kv`` tile and the backward's
+  ``pallas``, ``lesson``): the forward's ``block_q`` x ``block_kv`` tile and the backward's
   ``backward_block_q`` x ``backward_block_kv``; ``None`` is the implementation's default. The old
   spellings are still taken, mapped to it: ``block_q=`` / ``block_kv=`` (any tiled implementation) are
   ``blocks=Blocks(block_q=..., block_kv=...)``; pallas's ``block_sizes=`` (an int, a ``BlockSizes`` or a
   ``ForwardBlocks``) is the ``Blocks`` of the same sizes.
 * the records: :class:`ReferenceOptions`, :class:`XlaOptions`, :class:`BlockwiseOptions`,
-  :class:`SplashOptions`, :class:`PallasOptions`, :class:`TokamaxOptions`, and the decode kernel's
-  :class:`DecodeKernelOptions`; each checks its own tile rule on construction.
+  :class:`SplashOptions`, :class:`PallasOptions`, :class:`TokamaxOptions`, the lesson kernel's
+  :class:`LessonOptions` (``impl="lesson"``), and the decode kernel's :class:`DecodeKernelOptions`
+  (``tpuattn.decode.attention(impl="pallas")``, listed by :func:`tpuattn.decode.options_of`); each
+  checks its own tile rule on construction.
+* :func:`option_fields`, :func:`option_names`, :func:`option_descriptions` -- what a registry record's
+  ``options`` declaration (a record type, or a plain tuple of names) takes, for both contracts.
 * :func:`resolve_interpret` -- the one way ``interpret=`` becomes what ``pallas_call`` takes;
 * :func:`scoped_vmem_limit` -- the one rule for a kernel's ``vmem_limit_bytes``.
 
@@ -45,10 +49,12 @@ class Blocks:
     Attributes:
       block_q, block_kv: the forward's tile, query rows x keys.
       backward_block_q, backward_block_kv: the backward's tile (``pallas``: its dQ and dK/dV passes;
-        ``splash``: its dQ and dK/dV kernels; ``blockwise`` walks the forward's tiles and refuses them).
+        ``splash``: its dQ and dK/dV kernels; ``blockwise`` and ``lesson`` walk the forward's tiles and
+        refuse them).
 
     Every size is a positive int (a Python or NumPy integer, never a bool); which multiples an
-    implementation needs is its record's rule (:class:`PallasOptions`, :class:`SplashOptions`).
+    implementation needs is its record's rule (:class:`PallasOptions`, :class:`SplashOptions`,
+    :class:`LessonOptions`).
     """
 
     block_q: int | None = None
@@ -367,31 +373,60 @@ class PallasOptions(Options):
 
 
 @dataclasses.dataclass(frozen=True)
+class LessonOptions(Options):
+    """``impl="lesson"`` (notebook 03's kernel, :mod:`tpuattn.lesson.flash`): ``blocks`` (forward
+    ``block_q`` and ``block_kv``, multiples of 8; the default is 128 rows, or the length rounded up to 8
+    if shorter; its dQ and dK/dV kernels walk the forward's tiles, the arrays padded to them, so the
+    backward blocks are refused) and ``interpret`` (None, True or False)."""
+
+    IMPL: ClassVar[str] = "lesson"
+    ALIASES: ClassVar[Mapping[str, str]] = {"block_q": "blocks.block_q", "block_kv": "blocks.block_kv"}
+    blocks: Blocks | None = None
+    interpret: bool | None = None
+
+    def __post_init__(self):
+        rows = (SUBLANES, "a Q block [block_q, d] and a K/V block [block_kv, d] put their rows on the TPU's "
+                          "8 sublanes")
+        self._blocks({"block_q": rows, "block_kv": rows})
+        _check_interpret(self.interpret, self.IMPL, simulate=False)
+
+
+_DECODE_KERNEL = "tpuattn.decode.attention(impl='pallas')"
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeKernelOptions(Options):
-    """The split-K decode kernel (``tpuattn.decode``'s ``pallas``): ``block_size`` (a contiguous cache's
-    rows per block; a paged cache's block is its page), ``chunk_blocks`` (blocks per split-K chunk),
-    ``pages_per_step`` (pages one grid step fetches, paged caches), each a positive int, and
-    ``interpret`` (None, True or False)."""
+    """The split-K decode kernel (``tpuattn.decode``'s ``pallas``, :mod:`tpuattn.decode.kernel`):
+    ``block_size`` (a contiguous cache's rows per block; a paged cache's block is its page),
+    ``chunk_blocks`` (blocks per split-K chunk), ``pages_per_step`` (pages one grid step fetches, paged
+    caches), ``q_block`` (a ragged batch's queries per work item), each a positive int, and
+    ``interpret`` (None, True or False). Which of them a call may set depends on its cache and its q
+    (``block_size`` a contiguous cache, ``pages_per_step`` a paged one, ``q_block`` a ragged batch): the
+    kernel checks that against the call's spec."""
 
     IMPL: ClassVar[str] = "pallas"
     block_size: int | None = None
     chunk_blocks: int | None = None
     pages_per_step: int | None = None
+    q_block: int | None = None
     interpret: bool | None = None
 
     def __post_init__(self):
-        for name in ("block_size", "chunk_blocks", "pages_per_step"):
+        for name in ("block_size", "chunk_blocks", "pages_per_step", "q_block"):
             value = getattr(self, name)
             if value is None:
                 continue
             if not is_int(value) or value < 1:
-                raise TpuattnError(f"{name}: expected None or a positive int for the decode kernel, "
+                raise TpuattnError(f"{name}: expected None or a positive int for {_DECODE_KERNEL}, "
                                    f"got {value!r}")
             object.__setattr__(self, name, int(value))
-        _check_interpret(self.interpret, "pallas", simulate=False)
+        _check_interpret(self.interpret, self.IMPL, simulate=False)
 
 
-RECORDS = (ReferenceOptions, XlaOptions, BlockwiseOptions, SplashOptions, PallasOptions, TokamaxOptions)
+# The attention contract's records (tpuattn.attention's implementations; the decode contract's is
+# DecodeKernelOptions).
+RECORDS = (ReferenceOptions, XlaOptions, BlockwiseOptions, SplashOptions, PallasOptions, TokamaxOptions,
+           LessonOptions)
 
 
 def option_fields(options) -> tuple[str, ...]:
@@ -408,3 +443,12 @@ def option_names(options) -> tuple[str, ...]:
     if isinstance(options, type) and issubclass(options, Options):
         return options.names()
     return tuple(options)
+
+
+def option_descriptions(options) -> dict[str, str]:
+    """``{option: what it is}`` for an implementation's ``options`` declaration: a record type's
+    :meth:`Options.describe` (fields with their types and defaults, then the old spellings), or each
+    name of a plain tuple ``"declared by name"``; ``{}``: it takes no options."""
+    if isinstance(options, type) and issubclass(options, Options):
+        return options.describe()
+    return {name: "declared by name" for name in options}

@@ -15,6 +15,9 @@ scales and store new keys and values into pages. Implementations (declared in
 * ``jax_paged`` / ``jax_ragged``: JAX's own ``paged_attention`` / ``ragged_paged_attention`` kernels,
   translated or refused (:mod:`.native`).
 
+:func:`options_of` lists an implementation's options, as :func:`tpuattn.options_of` does the attention
+contract's (the split-K kernel's: its record :class:`tpuattn.options.DecodeKernelOptions`).
+
 ``impl="auto"`` picks ``pallas`` on a TPU and ``reference`` elsewhere. :func:`schedule` counts the
 blocks the kernel fetches and skips; :mod:`tpuattn.model.decode_roofline` models a decode step's bytes, FLOPs
 and time per JAX device (modelled numbers).
@@ -28,6 +31,7 @@ from tpuattn.decode.api import (
     get_implementation,
     implementations,
     known_implementations,
+    options_of,
     unavailable_implementations,
 )
 from tpuattn.decode.quant import quantize, write
@@ -64,4 +68,5 @@ def __getattr__(name):
 
 __all__ = ["QUANTIZED_DTYPES", "DecodeInputs", "DecodeSpec", "attention", "choose", "decode_spec_from_shapes",
            "get_implementation", "implementations", "known_implementations", "make_decode_spec",
+           "options_of",
            "plain_decode", "quantize", "schedule", "unavailable_implementations", "validate", "write"]

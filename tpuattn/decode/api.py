@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tpuattn.decode.registry import REGISTRY, DecodeImplementation
 from tpuattn.decode.spec import DecodeSpec, validate
+from tpuattn.options import option_descriptions
 from tpuattn.registry import Choice, Subset
 from tpuattn.spec import normalise_sinks
 
@@ -32,11 +33,26 @@ def get_implementation(name: str) -> DecodeImplementation:
     return REGISTRY.get(name)
 
 
+def options_of(impl: str) -> dict[str, str]:
+    """``{option: what it is}`` for the decode implementation named ``impl`` (importing its module on
+    first use), as :func:`tpuattn.options_of` does for the attention contract: the fields of its
+    :mod:`tpuattn.options` record with their types and defaults (``pallas``:
+    :class:`~tpuattn.options.DecodeKernelOptions`), or ``"declared by name"`` for each name of an
+    implementation that declares plain names (JAX's kernels: ``interpret``). ``{}``: it takes none.
+
+    ``tpuattn.decode.options_of("pallas")`` -> ``{"block_size": "int | None = None", "chunk_blocks": ...,
+    "pages_per_step": ..., "q_block": ..., "interpret": "bool | None = None"}``.
+    """
+    return option_descriptions(REGISTRY.get(impl).options)
+
+
 def choose(spec: DecodeSpec, backend: str | None = None) -> Choice:
     """``impl="auto"``, with its reason and refusals: the lowest ``auto_rank`` among the available
     implementations that support ``spec`` on ``backend`` (default: the target's, see
     :func:`tpuattn.chips.target`), ties to the lower priority. The ranks put the split-K kernel first on
-    a TPU and the materialised reference elsewhere (the kernel only interprets off a TPU)."""
+    a TPU and the materialised reference elsewhere (the kernel only interprets off a TPU). The
+    :class:`~tpuattn.registry.Choice` names the chosen one's options (``Choice.options``, as
+    :func:`options_of` lists them, old spellings aside)."""
     return REGISTRY.choose(spec, backend)
 
 
@@ -98,8 +114,10 @@ def attention(q, k_cache, v_cache, lengths, *, page_table=None, cu_q_lens=None, 
         wrapped unchanged, refuse them). A row that sees no key stays zeros.
       impl: ``"auto"`` (see :func:`choose`) or a name from :func:`implementations` (the list is in
         :mod:`tpuattn.decode`'s docstring).
-      **options: for the implementation (the split-K kernel's: ``block_size``, ``chunk_blocks``,
-        ``pages_per_step``, ``q_block``, ``interpret``).
+      **options: for the implementation, listed by :func:`options_of` (the split-K kernel's, its record
+        :class:`~tpuattn.options.DecodeKernelOptions`: ``block_size``, ``chunk_blocks``,
+        ``pages_per_step``, ``q_block``, ``interpret``; a name it does not take, or a value that is not
+        None or a positive int, refused naming the option and the value).
 
     Who takes what: ``reference`` and ``pallas`` take every form (ragged, quantized, sinks);
     ``jax_ragged`` takes the ragged form natively (it is that kernel) and refuses quantized caches;

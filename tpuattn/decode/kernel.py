@@ -68,15 +68,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuattn import chips, softmax
-from tpuattn._checks import known_options, positive_int
+from tpuattn._checks import positive_int
 from tpuattn.decode.registry import register
 from tpuattn.decode.spec import DecodeSpec, decode_spec_from_shapes, padded_rows
 from tpuattn.numerics import apply_softcap, first_order_only, matmul_precision
+from tpuattn.options import DecodeKernelOptions
+from tpuattn.options import resolve_interpret as _resolve_interpret
 from tpuattn.pallas.layout import LANES, NT_DIMS
 from tpuattn.sinks import sink_partial
-from tpuattn.supports import compiling_off_tpu_refused, low_precision_matmul_refused
+from tpuattn.supports import low_precision_matmul_refused
 
-OPTIONS = ("block_size", "chunk_blocks", "pages_per_step", "q_block", "interpret")
+# The kernel's options, one typed record (block_size=, chunk_blocks=, pages_per_step=, q_block=, interpret=;
+# tpuattn.decode.options_of("pallas") lists them).
+OPTIONS = DecodeKernelOptions
 DEFAULT_BLOCK_SIZE = 512  # rows of a contiguous cache per block
 DEFAULT_CHUNK_POSITIONS = 2048  # cache positions per chunk (split-K unit)
 FORWARD_ONLY = ("tpuattn.decode.attention(impl='pallas') is forward only (decode is inference): the kernel "
@@ -150,12 +154,14 @@ class Geometry:
 
 
 def _plan(block: int, num_blocks: int, chunk_blocks, per_step) -> tuple[int, int]:
-    """``(per_step, chunk_steps)``: the defaults (pages per step: 128 rows' worth; chunk: 2048 positions)."""
-    per_step = max(1, min(num_blocks, 128 // block)) if per_step is None else positive_int(
-        "pages_per_step", per_step)
+    """``(per_step, chunk_steps)``: the defaults (pages per step: 128 rows' worth; chunk: 2048 positions).
+    ``chunk_blocks`` and ``per_step`` are read through :class:`~tpuattn.options.DecodeKernelOptions`
+    (None or a positive int)."""
+    sizes = DecodeKernelOptions(chunk_blocks=chunk_blocks, pages_per_step=per_step)
+    per_step = max(1, min(num_blocks, 128 // block)) if sizes.pages_per_step is None else sizes.pages_per_step
     per_step = min(per_step, num_blocks)
-    chunk_blocks = max(1, DEFAULT_CHUNK_POSITIONS // block) if chunk_blocks is None else positive_int(
-        "chunk_blocks", chunk_blocks)
+    chunk_blocks = (max(1, DEFAULT_CHUNK_POSITIONS // block) if sizes.chunk_blocks is None
+                    else sizes.chunk_blocks)
     chunk_steps = min(-(-chunk_blocks // per_step), -(-num_blocks // per_step))
     return per_step, chunk_steps
 
@@ -173,6 +179,13 @@ def kv_heads_per_block(num_kv_heads: int, itemsize: int = 2) -> int:
 
 
 def geometry(spec: DecodeSpec, block_size=None, chunk_blocks=None, pages_per_step=None) -> Geometry:
+    """The kernel's static shape for ``spec`` and its options (each None or a positive int, read through
+    :class:`~tpuattn.options.DecodeKernelOptions`; None: the defaults). What needs the spec is checked
+    here: a paged cache's block is its page (``block_size`` refused), a contiguous cache has no pages
+    (``pages_per_step`` refused)."""
+    sizes = DecodeKernelOptions(block_size=block_size, chunk_blocks=chunk_blocks,
+                                pages_per_step=pages_per_step)
+    block_size, chunk_blocks, pages_per_step = sizes.block_size, sizes.chunk_blocks, sizes.pages_per_step
     if spec.paged:
         if block_size is not None:
             raise ValueError("block_size: a paged cache's block is its page; expected None, "
@@ -182,8 +195,7 @@ def geometry(spec: DecodeSpec, block_size=None, chunk_blocks=None, pages_per_ste
         if pages_per_step is not None:
             raise ValueError("pages_per_step: a contiguous cache has no pages (set block_size); expected "
                              f"None, got {pages_per_step!r}")
-        block = (min(spec.capacity, DEFAULT_BLOCK_SIZE) if block_size is None
-                 else positive_int("block_size", block_size))
+        block = min(spec.capacity, DEFAULT_BLOCK_SIZE) if block_size is None else block_size
         block = min(block, spec.capacity)
         num_blocks = -(-spec.capacity // block)
         pages_per_step = 1
@@ -367,13 +379,9 @@ def vmem_limit_bytes(geo: Geometry, head_dim: int, itemsize: int) -> int | None:
 
 
 def resolve_interpret(interpret):
-    """``None``: compiled for a TPU (the local one or ``chips.target``'s), interpret mode elsewhere."""
-    if interpret is None:
-        return chips.target_backend() != "tpu"
-    if isinstance(interpret, bool):
-        compiling_off_tpu_refused(interpret, "pallas")
-        return interpret
-    raise ValueError(f"interpret: expected None, True or False, got {interpret!r}")
+    """``None``: compiled for a TPU (the local one or ``chips.target``'s), interpret mode elsewhere;
+    ``False`` off a TPU refused (:func:`tpuattn.options.resolve_interpret`, the one rule)."""
+    return _resolve_interpret(interpret, "pallas")
 
 
 def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Geometry,
@@ -473,19 +481,22 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
 
 def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *, sinks=None, cu_q_lens=None,
                   num_seqs=None, k_scale=None, v_scale=None, **options):
-    """The ``impl="pallas"`` entry point. Options: ``block_size`` (contiguous cache rows per block,
-    default 512), ``pages_per_step`` (paged cache: pages per grid step, each its own BlockSpec; default
-    128 rows' worth), ``chunk_blocks`` (blocks per split-K chunk, rounded up to whole steps; default
-    2048 positions' worth), ``q_block`` (a ragged batch: queries per work item, default
-    :data:`DEFAULT_Q_BLOCK`), ``interpret`` (None: compiled on TPU, interpret mode elsewhere).
+    """The ``impl="pallas"`` entry point. Options (the record :class:`~tpuattn.options.DecodeKernelOptions`:
+    a name it does not take or a value that is not None or a positive int refused before anything is
+    traced): ``block_size`` (contiguous cache rows per block, default 512; refused for a paged cache),
+    ``pages_per_step`` (paged cache: pages per grid step, each its own BlockSpec; default 128 rows'
+    worth; refused for a contiguous cache), ``chunk_blocks`` (blocks per split-K chunk, rounded up to
+    whole steps; default 2048 positions' worth), ``q_block`` (a ragged batch: queries per work item,
+    default :data:`DEFAULT_Q_BLOCK`; refused for a dense q), ``interpret`` (None: compiled on TPU,
+    interpret mode elsewhere).
 
     A quantized cache is read as it is stored (one byte an entry): the kernel casts each block's
     entries to q's dtype (exact for int8 and fp8 e4m3) and multiplies the logits by ``k_scale``; the
     values' ``v_scale`` multiplies the merged output (a value is ``entry * v_scale``, and attention is
     linear in the values). A ragged batch runs as :func:`work_items`."""
-    known_options("pallas", options, OPTIONS)
-    interpret = resolve_interpret(options.get("interpret"))
-    q_block = options.get("q_block")
+    chosen = DecodeKernelOptions.parse(options)
+    interpret = resolve_interpret(chosen.interpret)
+    q_block = chosen.q_block
     if not spec.ragged:
         if q_block is not None:
             raise ValueError(f"q_block: queries per work item of a ragged batch (cu_q_lens); expected None "
@@ -493,7 +504,7 @@ def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *,
         items, kernel_spec, rows = None, spec, None
         qk, kl, table = q, lengths, page_table
     else:
-        bq = DEFAULT_Q_BLOCK if q_block is None else positive_int("q_block", q_block)
+        bq = DEFAULT_Q_BLOCK if q_block is None else q_block
         bq = min(bq, q.shape[0])
         items = work_items(cu_q_lens, lengths, q.shape[0], bq, spec.capacity)
         kernel_spec = _item_spec(spec, items.seq.shape[0], bq)
@@ -501,7 +512,7 @@ def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *,
         kl = items.length
         table = page_table[items.seq] if spec.paged else None
         rows = None if spec.paged else items.seq
-    geo = geometry(kernel_spec, *(options.get(k) for k in ("block_size", "chunk_blocks", "pages_per_step")))
+    geo = geometry(kernel_spec, chosen.block_size, chosen.chunk_blocks, chosen.pages_per_step)
     run = functools.partial(partials, spec=kernel_spec, geo=geo, interpret=interpret, k_scale=k_scale,
                             cache_rows=rows)
     chunks = first_order_only(run, FORWARD_ONLY)(qk, k_cache, v_cache, kl, table)

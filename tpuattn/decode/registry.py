@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 
 from tpuattn.decode.spec import DecodeSpec
+from tpuattn.options import Options
 from tpuattn.registry import DEFAULT_PRIORITY, Registry, _always, _never_auto, _supports_everything
 
 
@@ -30,7 +31,11 @@ class DecodeImplementation:
       auto_rank: the ``impl="auto"`` preference (lower wins); ``None``: never chosen automatically.
       interpreted_off_tpu: a Pallas TPU kernel that runs in interpret mode elsewhere (timings there are
         not kernel speed).
-      options: the option names ``fn`` accepts.
+      options: the :class:`tpuattn.options.Options` record type ``fn`` reads its options through
+        (the split-K kernel's :class:`~tpuattn.options.DecodeKernelOptions`; it reads as the tuple of
+        names it takes), or a plain tuple of names (JAX's kernels, a registration of your own); listed
+        by :func:`tpuattn.decode.options_of`, and ``impl="auto"`` refuses an option its choice does not
+        take (:func:`tpuattn.options.option_names`).
       takes_sinks: ``fn`` accepts ``sinks=`` (float32 ``[heads]``, :mod:`tpuattn.sinks`): one logit per
         query head in each row's softmax denominator, with no value.
       takes_ragged: ``fn`` accepts ``cu_q_lens=`` and ``num_seqs=`` (a ragged batch: ``q [total_tokens,
@@ -48,7 +53,7 @@ class DecodeImplementation:
     supports: Callable[[DecodeSpec, str], str | None] = _supports_everything
     auto_rank: Callable[[DecodeSpec, str], float | None] = _never_auto
     interpreted_off_tpu: bool = False
-    options: tuple[str, ...] = ()
+    options: type[Options] | tuple[str, ...] = ()
     takes_sinks: bool = False
     takes_ragged: bool = False
     takes_scales: bool = False

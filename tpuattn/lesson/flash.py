@@ -35,16 +35,16 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuattn._checks import known_options, positive_int, round_up
+from tpuattn._checks import round_up
 from tpuattn.lesson.steps import NT, to_bhtd
 from tpuattn.numerics import first_order_only, matmul_precision
-from tpuattn.options import resolve_interpret
+from tpuattn.options import Blocks, LessonOptions, resolve_interpret
 from tpuattn.pallas.compat import out_struct
 from tpuattn.registry import register
 from tpuattn.sharding import mark_varying, varying_axes
 from tpuattn.supports import low_precision_matmul_refused
 
-OPTIONS = ("block_q", "block_kv", "interpret")
+OPTIONS = LessonOptions  # blocks= (forward tiles only), interpret=; old block_q=, block_kv=
 MAX_BLOCK = 128  # the default block: 128 rows (or the length rounded up to 8, if shorter)
 TN = (((0,), (0,)), ((), ()))  # dot_general dims: contract the first dim of both -> a.T @ b
 SECOND_DERIVATIVE = ("impl='lesson' has no second derivatives: its backward kernels define only a "
@@ -372,18 +372,21 @@ flash.defvjp(_flash_forward, _flash_backward)
 
 
 # ----------------------------------------------------------------------------- the contract
-def _block(name: str, value, length: int) -> int:
-    if value is None:
-        return min(MAX_BLOCK, round_up(length, 8))
-    return positive_int(name, value, multiple_of=8)
+def _block(value: int | None, length: int) -> int:
+    """A forward block (already checked by :class:`~tpuattn.options.LessonOptions`), or the default:
+    ``MAX_BLOCK`` rows, or the length rounded up to 8 if shorter."""
+    return min(MAX_BLOCK, round_up(length, 8)) if value is None else value
 
 
 def resolve_options(spec, options) -> tuple[int, int, Any]:
-    """``(block_q, block_kv, interpret)`` from the options (None: the defaults)."""
-    known_options("impl='lesson'", options, OPTIONS)
-    return (_block("block_q", options.get("block_q"), spec.q_len),
-            _block("block_kv", options.get("block_kv"), spec.kv_len),
-            resolve_interpret(options.get("interpret"), "lesson"))
+    """``(block_q, block_kv, interpret)`` from the options, read through their record
+    :class:`~tpuattn.options.LessonOptions` (``blocks=`` or the old ``block_q=`` / ``block_kv=``, each
+    a multiple of 8; no backward blocks: the dQ and dK/dV kernels walk the forward's tiles), None
+    being the defaults."""
+    chosen = LessonOptions.parse(options)
+    blocks = chosen.blocks or Blocks()
+    return (_block(blocks.block_q, spec.q_len), _block(blocks.block_kv, spec.kv_len),
+            resolve_interpret(chosen.interpret, "lesson"))
 
 
 def lesson_attention(q, k, v, segment_ids, spec, **options):
