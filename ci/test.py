@@ -41,20 +41,22 @@ The full run's stages, cheapest first:
                       top to bottom with papermill on that environment's kernel (``ci/notebooks.py --jax
                       colab``), two at a time, LLVM's CPU optimisation off (``FAST_XLA_FLAGS``: nothing
                       is compared), ``RUN_MEMORY = False`` (the child-process memory measurements run
-                      in nbval); and the puzzle tests (every stub fails, every solution passes, each
-                      compiled for v5e by libtpu 0.0.21.1; a right answer passes its compile) run with
-                      that environment's pytest against the installed package
+                      in nbval) and notebook 10 without its §5 compiles (``COLAB_SKIPS``); and the
+                      puzzle tests (every stub fails, every solution passes, each compiled for v5e by
+                      libtpu 0.0.21.1; a right answer passes its compile) run with that environment's
+                      pytest against the installed package
 * ``releases``        the release matrix: on each JAX minor release between those two (0.8.3, 0.9.2; each in
                       its own ``.venv-jaxV`` with that release's libtpu), the smoke subset: the quick
                       tier's oracle checks (each implementation once, forward and gradients; decode's),
                       its compiles (the Pallas kernel for every chip) and notebook 03 under
-                      papermill (``RUN_MEMORY = False``). The command ends with the matrix as a Markdown
-                      table (release, libtpu, what passed; 0.7.2 and 0.10.2 from their full stages):
-                      the README shows it.
+                      papermill (``RUN_MEMORY = False``, ``RELEASE_SKIPS``). The command ends with the
+                      matrix as a Markdown table (release, libtpu, what passed; 0.7.2 and 0.10.2 from
+                      their full stages): the README shows it.
 * ``dry-run``         notebooks 03-05 (the ones whose TPU-runtime paths differ) under papermill on JAX
                       0.10.2 with a CPU standing in for a TPU v5e (``TPUATTN_STAND_IN_TPU=v5e``,
                       ``tpuattn.measure.runtime``), at small sizes: every ``ON_TPU`` cell's Python runs,
-                      kernels in interpret mode; nothing printed is a TPU number, nothing is compared
+                      kernels in interpret mode (``DRY_RUN_SKIPS``); nothing printed is a TPU number,
+                      nothing is compared
 * ``book``            ``ci/book.py`` builds the site in ``out/book/`` from the committed outputs;
                       ``ci/browser_check.py`` opens every page in headless chromium (console errors,
                       failed or external loads, broken links and anchors, alt text) and takes
@@ -360,7 +362,8 @@ def colab_jobs(tmp: Path) -> list[Job]:
     code = run([str(_venv.MAIN.python), str(ROOT / "ci" / "colab.py")])
     if code != 0:
         return [Job("colab", "colab install", lambda: (False, f"ci/colab.py exited {code}"))]
-    jobs = [notebook_job("colab", "colab", p.stem, tmp, without_memory(p.stem))
+    jobs = [notebook_job("colab", "colab", p.stem, tmp,
+                         {**without_memory(p.stem), **COLAB_SKIPS.get(p.stem[:2], {})})
             for p in notebook_files(".ipynb")]
     variables = {**_venv.CPU_WITH_TPU_COMPILER, **FAST_CPU_COMPILE, "TPUATTN_REQUIRE_TPU_COMPILER": "1",
                  "TPUATTN_EXPECT_INSTALLED_IN": str(_venv.COLAB.path)}
@@ -371,6 +374,18 @@ def colab_jobs(tmp: Path) -> list[Job]:
 
 def without_memory(stem: str) -> dict:
     return {"RUN_MEMORY": False} if "RUN_MEMORY" in notebook_parameters(stem) else {}
+
+
+# What the papermill runs beside nbval leave out, by notebook number: the longest compiled-for-TPU cells,
+# whose programs nbval compiles on the newest JAX, each kept once on Colab's stack. Notebook 10's §5
+# (the whole model's train and decode steps for v5e with every implementation) is about 200 of its 270 s
+# (papermill's cell times, 2026-12-07); on Colab's stack the package's kernels, forward and backward,
+# are compiled for v5e by notebook 03's wrapper-moves cell, which the colab stage keeps. That cell is
+# about a minute of notebook 03 on each middle release and in the dry run; their compiles are the
+# lesson's kernels (what a release breaks), and the dry run's subject is the ON_TPU cells.
+COLAB_SKIPS = {"10": {"RUN_COMPILES": False}}
+RELEASE_SKIPS = {"03": {"RUN_WRAPPER_MOVES": False}}
+DRY_RUN_SKIPS = RELEASE_SKIPS
 
 
 def release_jobs(tmp: Path) -> list[Job]:
@@ -390,7 +405,8 @@ def release_jobs(tmp: Path) -> list[Job]:
                                ["-m", "quick", *RELEASE_COMPILE_FILES], compiler))
         for p in notebook_files(".ipynb"):
             if p.stem[:2] in RELEASE_NOTEBOOKS:
-                jobs.append(notebook_job("releases", release, p.stem, tmp, without_memory(p.stem)))
+                jobs.append(notebook_job("releases", release, p.stem, tmp,
+                                         {**without_memory(p.stem), **RELEASE_SKIPS.get(p.stem[:2], {})}))
     return jobs
 
 
@@ -413,7 +429,8 @@ def dry_run_jobs(tmp: Path) -> list[Job]:
     jobs = []
     for p in notebook_files(".ipynb"):
         if p.stem[:2] in DRY_RUN:
-            jobs.append(notebook_job("dry-run", "0.10.2", p.stem, tmp, DRY_RUN[p.stem[:2]],
+            jobs.append(notebook_job("dry-run", "0.10.2", p.stem, tmp,
+                                     {**DRY_RUN[p.stem[:2]], **DRY_RUN_SKIPS.get(p.stem[:2], {})},
                                      extra_env={"TPUATTN_STAND_IN_TPU": DRY_RUN_CHIP},
                                      label=f"dry-run {p.stem}"))
     return jobs
@@ -553,7 +570,7 @@ def release_matrix(rows: list[tuple[str, float, str, str]], jobs: list[Job]) -> 
                      f"{smoke([f'{release} compile'])}: the quick tier",
                      f"{smoke([f'{release} {stem}' for stem in stems])}: "
                      f"{'-'.join(dict.fromkeys((RELEASE_NOTEBOOKS[0], RELEASE_NOTEBOOKS[-1])))} executed, "
-                     "RUN_MEMORY = False")
+                     f"RUN_MEMORY = False{skipped(RELEASE_SKIPS)}")
         lines.append(f"| {release} | {libtpu} | " + " | ".join(cells) + " |")
     pins = _venv.colab_pins()
     colab = [job for job in jobs if job.stage == "colab" and job.label != "colab puzzles"]
@@ -562,8 +579,15 @@ def release_matrix(rows: list[tuple[str, float, str, str]], jobs: list[Job]) -> 
     lines.append(f"| {pins['jax']} on Colab's TPU runtime (Python {_venv.colab_python_version()}, "
                  f"`requirements/colab-tpu.txt`) | {pins['libtpu']} | {puzzles}: the puzzle checks "
                  f"| {puzzles}: every puzzle solution for v5e; notebook 03's compiled cells "
-                 f"| {notebooks}: {every} executed, installed by their install cell, RUN_MEMORY = False |")
+                 f"| {notebooks}: {every} executed, installed by their install cell, "
+                 f"RUN_MEMORY = False{skipped(COLAB_SKIPS)} |")
     return "\n".join(lines)
+
+
+def skipped(skips: dict[str, dict]) -> str:
+    """``skips`` (notebook number -> parameters) as the matrix says it: ``; 10: RUN_COMPILES = False``."""
+    return "".join(f"; {stem}: " + ", ".join(f"{k} = {v!r}" for k, v in values.items())
+                   for stem, values in skips.items())
 
 
 def chromium_missing() -> str | None:
