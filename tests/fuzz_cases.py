@@ -20,9 +20,9 @@ import os
 
 import numpy as np
 
-# The unit stage's seeds (a few cases each, tests/test_fuzz.py's counts: about 35-40 s of one core per
-# JAX version). Seed 1 draws int32 ids beside uint32 ones and int64 beside uint8/uint32 with aliased
-# bits: a plain cast of the ids to one width fails it.
+# The default seeds (a few cases each, tests/test_fuzz.py's counts); the CI's two unit stages draw one
+# each (ci/test.py's UNIT_FUZZ_SEEDS). Seed 1 draws int32 ids beside uint32 ones and int64 beside
+# uint8/uint32 with aliased bits: a plain cast of the ids to one width fails it.
 DEFAULT_SEEDS = (0, 1)
 
 # Contract tags, the first word of every case's random stream.
