@@ -251,6 +251,7 @@ def engine_model(chip: str, shape: str, cache_dtype: str):
                                     scales=None if cache_dtype == "bfloat16" else "tensor")
 
 
+@pytest.mark.newest_compiler  # bytes against the model and JAX's kernel: the newest compiler's program
 @pytest.mark.parametrize("chip, shape, cache_dtype", ENGINE_CASES)
 def test_the_decode_engine_step_is_within_the_model_and_at_most_jax_ragged(chip, shape, cache_dtype):
     # In a child process: a failed check inside libtpu aborts the process that compiles.

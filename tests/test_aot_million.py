@@ -34,7 +34,9 @@ def test_a_million_tokens_compile_for_v5p(mode):
 
 
 @pytest.mark.parametrize(
-    "topology, mode", [("v5e:2x4", "fwd"), ("v5p:2x2x2", "fwd"), ("v5p:2x2x2", "fwd+bwd")]
+    "topology, mode", [("v5e:2x4", "fwd"), ("v5p:2x2x2", "fwd"),
+                       # the longest compile of the stage (~60 s): on the newest compiler only
+                       pytest.param("v5p:2x2x2", "fwd+bwd", marks=pytest.mark.newest_compiler)]
 )
 def test_the_all_gather_strategy_compiles_at_a_million_tokens(topology, mode):
     # The sequence sharded over the slice's 8 devices, K/V gathered, each device's queries through
