@@ -242,8 +242,8 @@ def test_parallel_refuses_what_its_local_kernel_does_not_declare_before_tracing(
 
 # ---------------------------------------------------------------------------- interpret, one way
 def test_interpret_is_resolved_one_way():
+    from tpuattn.decode.native import _interpreting as jax_kernels_interpret
     from tpuattn.pallas import resolve_interpret as pallas_interpret
-    from tpuattn.supports import compiling_off_tpu_refused
 
     assert options.resolve_interpret(None, "x", backend="cpu") is True
     assert options.resolve_interpret(None, "x", backend="tpu") is False
@@ -255,7 +255,7 @@ def test_interpret_is_resolved_one_way():
         pytest.skip("the refusal is for a target that is not a TPU")
     messages = []
     for refuse in (lambda: options.resolve_interpret(False, "splash"), lambda: pallas_interpret(False),
-                   lambda: compiling_off_tpu_refused(False, "splash")):
+                   lambda: jax_kernels_interpret(False, "splash")):
         with pytest.raises(UnsupportedInput) as error:
             refuse()
         messages.append(str(error.value).replace("impl='pallas'", "impl='splash'"))
@@ -345,13 +345,39 @@ def test_decode_pallas_declares_its_record_and_options_of_lists_it():
     assert tuple(listed) == DECODE_FIELDS
     assert listed["q_block"] == "int | None = None" and listed["interpret"] == "bool | None = None"
     assert decode.options_of("reference") == {}
-    assert decode.options_of("jax_paged") == {"interpret": "declared by name"}  # a plain tuple of names
+    for name in ("jax_paged", "jax_ragged"):
+        assert decode.options_of(name) == {"interpret": "bool | None = None"}
     spec = decode.decode_spec_from_shapes(batch=2, q_len=1, num_q_heads=4, num_kv_heads=2, head_dim=32,
                                           capacity=64, page_size=16, num_pages=8, pages_per_sequence=4)
     choice = decode.choose(spec, "tpu")
     assert choice.impl == "pallas" and choice.options == DECODE_FIELDS
     with pytest.raises(TpuattnError, match=r"^impl: expected one of .*got 'nope'"):
         decode.options_of("nope")
+
+
+def test_every_decode_implementation_declares_a_record():
+    """One record per decode implementation, as for the attention contract: unknown names refused
+    before anything is traced, naming the implementation and what it takes."""
+    from tpuattn.options import DECODE_RECORDS
+
+    declared = {name: decode.get_implementation(name).options for name in decode.implementations()}
+    assert all(isinstance(r, type) and issubclass(r, options.Options) for r in declared.values()), declared
+    assert set(declared.values()) <= set(DECODE_RECORDS)
+    assert {name: r.IMPL for name, r in declared.items()} == {name: name for name in declared}
+    q = jnp.zeros((2, 1, 4, 32), jnp.float32)
+    cache = jnp.zeros((2, 64, 2, 32), jnp.float32)
+    lengths = jnp.array([3, 64], jnp.int32)
+    for name in declared:
+        if name == "jax_ragged":
+            continue  # paged and ragged only; its record is checked on its own below
+        with pytest.raises(TpuattnError, match=rf"^{name}: unknown option\(s\) \['tile'\]; expected a subset "
+                                               rf"of {re.escape(str(sorted(declared[name].names())))}"):
+            decode.attention(q, cache, cache, lengths, impl=name, tile=8)
+    with pytest.raises(TpuattnError, match=r"^jax_ragged: unknown option\(s\) \['tile'\]"):
+        declared["jax_ragged"].parse({"tile": 8})
+    with pytest.raises(TpuattnError, match=r"^interpret: expected a bool or None for impl='jax_paged', "
+                                           r"got 'yes'"):
+        declared["jax_paged"].parse({"interpret": "yes"})
 
 
 @pytest.mark.parametrize("field,value", [("q_block", 0), ("q_block", True), ("chunk_blocks", 0),

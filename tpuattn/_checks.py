@@ -33,13 +33,6 @@ def one_of(name: str, value, choices: Iterable):
     return value
 
 
-def known_options(owner: str, options: dict, allowed: Iterable[str]) -> None:
-    """Raise a clear error for an option ``owner`` does not take."""
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"{owner}: unknown option(s) {unknown}; expected a subset of {sorted(allowed)}")
-
-
 def round_up(n: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is at least ``n``."""
     return -(-n // multiple) * multiple

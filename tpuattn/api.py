@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tpuattn import sinks as attention_sinks
 from tpuattn.errors import UnavailableImplementation, UnsupportedInput
-from tpuattn.options import Options
+from tpuattn.options import option_descriptions
 from tpuattn.registry import REGISTRY, Choice, Implementation, Subset, register
 from tpuattn.spec import AttentionSpec, make_spec, normalise_sinks
 
@@ -80,10 +80,7 @@ def options_of(impl: str) -> dict[str, str]:
     ``tpuattn.options_of("pallas")`` -> ``{"blocks": "Blocks | None = None", "backward": ...,
     "interpret": ..., "block_q": "old spelling, read as blocks.block_q", ...}``.
     """
-    declared = REGISTRY.get(impl).options
-    if isinstance(declared, type) and issubclass(declared, Options):
-        return declared.describe()
-    return {name: "declared by name" for name in declared}
+    return option_descriptions(REGISTRY.get(impl).options)
 
 
 def choose(spec: AttentionSpec, backend: str | None = None, *, subset: Subset | None = None) -> Choice:

@@ -423,10 +423,36 @@ class DecodeKernelOptions(Options):
         _check_interpret(self.interpret, self.IMPL, simulate=False)
 
 
-# The attention contract's records (tpuattn.attention's implementations; the decode contract's is
-# DecodeKernelOptions).
+@dataclasses.dataclass(frozen=True)
+class DecodeReferenceOptions(Options):
+    """``tpuattn.decode.attention(impl="reference")`` takes no options."""
+
+    IMPL: ClassVar[str] = "reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxPagedOptions(Options):
+    """``tpuattn.decode.attention(impl="jax_paged")`` (JAX's ``paged_attention``): ``interpret`` (None,
+    True or False; off a TPU it runs under JAX's TPU interpreter)."""
+
+    IMPL: ClassVar[str] = "jax_paged"
+    interpret: bool | None = None
+
+    def __post_init__(self):
+        _check_interpret(self.interpret, self.IMPL, simulate=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxRaggedOptions(JaxPagedOptions):
+    """``tpuattn.decode.attention(impl="jax_ragged")`` (JAX's ``ragged_paged_attention``): ``interpret``."""
+
+    IMPL: ClassVar[str] = "jax_ragged"
+
+
+# The attention contract's records (tpuattn.attention's implementations), and the decode contract's.
 RECORDS = (ReferenceOptions, XlaOptions, BlockwiseOptions, SplashOptions, PallasOptions, TokamaxOptions,
            LessonOptions)
+DECODE_RECORDS = (DecodeReferenceOptions, DecodeKernelOptions, JaxPagedOptions, JaxRaggedOptions)
 
 
 def option_fields(options) -> tuple[str, ...]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tpuattn import chips
-from tpuattn.options import resolve_interpret
 
 
 def long_enough_for_flash(spec) -> bool:
@@ -29,13 +28,3 @@ def low_precision_matmul_refused(spec, backend: str | None, impl: str) -> str | 
             f"would not compile); cast q, k, v to float32 for impl='{impl}', or use impl='xla'")
 
 
-def compiling_off_tpu_refused(interpret, impl: str) -> None:
-    """Refuse ``interpret=False`` (compile the Pallas TPU kernel) when the target is not a TPU.
-
-    Pallas compiles these kernels for a TPU only; elsewhere its own message is a bare "Only interpret
-    mode is supported on CPU backend". Inside :func:`tpuattn.chips.target` the target is a TPU, and
-    an ahead-of-time compile for it is what ``interpret=False`` asks for. The rule and its message are
-    :func:`tpuattn.options.resolve_interpret`'s, the one way ``interpret`` is read.
-    """
-    if isinstance(interpret, bool):
-        resolve_interpret(interpret, impl)

@@ -45,23 +45,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuattn import chips
-from tpuattn._checks import known_options
 from tpuattn.decode.registry import register
 from tpuattn.decode.spec import DecodeSpec
 from tpuattn.numerics import x64
+from tpuattn.options import JaxPagedOptions, JaxRaggedOptions, resolve_interpret
 from tpuattn.pallas import compat
-from tpuattn.supports import compiling_off_tpu_refused, low_precision_matmul_refused
-
-OPTIONS = ("interpret",)
+from tpuattn.supports import low_precision_matmul_refused
 
 
 def _interpreting(interpret, impl: str) -> contextlib.AbstractContextManager:
-    if interpret is None:
-        interpret = chips.target_backend() != "tpu"
-    if not isinstance(interpret, bool):
-        raise ValueError(f"interpret: expected None, True or False, got {interpret!r}")
-    compiling_off_tpu_refused(interpret, impl)
-    if interpret:
+    """JAX's kernels take no ``interpret``: the one rule (:func:`tpuattn.options.resolve_interpret`)
+    decides, and interpret mode is JAX's TPU interpreter around the call."""
+    if resolve_interpret(interpret, impl):
         return compat.force_tpu_interpret_mode()
     return contextlib.nullcontext()
 
@@ -118,14 +113,14 @@ def jax_paged_supports(spec: DecodeSpec, backend: str | None = None) -> str | No
 
 
 def jax_paged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, **options):
-    known_options("jax_paged", options, OPTIONS)
+    chosen = JaxPagedOptions.parse(options)
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
     k_pages, v_pages, table = _page_view(k_cache, v_cache, page_table, spec)
     k_pages, v_pages = (x.transpose(2, 0, 1, 3) for x in (k_pages, v_pages))  # [hk, pages, size, d]
     q1 = (q[:, 0].astype(jnp.float32) * spec.scale).astype(q.dtype)
     block = _compute_block(table.shape[1], k_pages.shape[2])
-    with _interpreting(options.get("interpret"), "jax_paged"), x64(False):
+    with _interpreting(chosen.interpret, "jax_paged"), x64(False):
         out = paged_attention(q1, k_pages, v_pages, lengths, table, attn_logits_soft_cap=spec.softcap,
                               pages_per_compute_block=block)
     out = jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
@@ -161,12 +156,12 @@ def jax_ragged_supports(spec: DecodeSpec, backend: str | None = None) -> str | N
 
 def jax_ragged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *, cu_q_lens=None,
                       num_seqs=None, **options):
-    known_options("jax_ragged", options, OPTIONS)
+    chosen = JaxRaggedOptions.parse(options)
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     blocks = dict(num_kv_pages_per_block=_compute_block(page_table.shape[1], k_cache.shape[1]),
                   num_queries_per_block=8)
-    with _interpreting(options.get("interpret"), "jax_ragged"):
+    with _interpreting(chosen.interpret, "jax_ragged"):
         return ragged_translation(functools.partial(ragged_paged_attention, **blocks), q, k_cache, v_cache,
                                   lengths, page_table, spec, cu_q_lens=cu_q_lens, num_seqs=num_seqs)
 
@@ -213,9 +208,10 @@ register("jax_paged", jax_paged_decode,
          description="JAX's paged_attention TPU kernel (q_len 1, no window), translated",
          available=lambda: compat.has_module("jax.experimental.pallas.ops.tpu.paged_attention")
          and compat.has_interpret_mode(),
-         supports=jax_paged_supports, interpreted_off_tpu=True, options=OPTIONS)
+         supports=jax_paged_supports, interpreted_off_tpu=True, options=JaxPagedOptions)
 register("jax_ragged", jax_ragged_decode,
          description="JAX's ragged_paged_attention TPU kernel (paged cache only), translated",
          available=lambda: compat.has_module("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
          and compat.has_interpret_mode(),
-         supports=jax_ragged_supports, interpreted_off_tpu=True, options=OPTIONS, takes_ragged=True)
+         supports=jax_ragged_supports, interpreted_off_tpu=True, options=JaxRaggedOptions,
+         takes_ragged=True)

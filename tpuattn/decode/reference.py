@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tpuattn._checks import known_options
 from tpuattn.decode.registry import register
 from tpuattn.numerics import apply_softcap, matmul
+from tpuattn.options import DecodeReferenceOptions
 
 
 def gather_cache(cache, page_table):
@@ -34,7 +34,7 @@ def reference_decode(q, k_cache, v_cache, lengths, page_table, spec, *, sinks=No
     A ragged batch is served as a dense one of ``total_tokens`` sequences of one query each: token
     ``t`` of sequence ``i``, at position ``p``, is a query of length ``p + 1`` over sequence ``i``'s
     cache (its own copy: memory ``total_tokens x capacity``, a reference's price for simplicity)."""
-    known_options("reference", options, ())
+    DecodeReferenceOptions.parse(options)
     if k_scale is not None:
         k_cache, v_cache = dequantize(k_cache, k_scale), dequantize(v_cache, v_scale)
     if spec.paged:
@@ -111,7 +111,7 @@ def poison_values(out, keep, v):
 
 register("reference", reference_decode,
          description="gather pages, mask, materialised float32 softmax (jax.numpy, XLA)", takes_sinks=True,
-         takes_ragged=True, takes_scales=True,
+         takes_ragged=True, takes_scales=True, options=DecodeReferenceOptions,
          auto_rank=lambda spec, backend: 0.0 if backend != "tpu" else 10.0)
 
 
