@@ -165,20 +165,26 @@ DQ = register(Puzzle(
 DKV_GRID = (SEQ // BLOCK_KV, SEQ // BLOCK_Q)
 
 
-def _build_dkv(body, *, interpret):
-    row = pl.BlockSpec((BLOCK_Q, HEAD_DIM), lambda j, i: (i, 0))
-    stat = pl.BlockSpec((BLOCK_Q, 1), lambda j, i: (i, 0))
-    kv = pl.BlockSpec((BLOCK_KV, HEAD_DIM), lambda j, i: (j, 0))
+def _dkv_call(body, grid, block_q, block_kv, q_index_map, *, interpret):
+    """The dK/dV ``pallas_call`` of puzzles 10 and C: grid ``(kv block j, q block i)``, the q-side rows
+    (Q, dO, lse, delta) at ``q_index_map``, dK and dV accumulated in two float32 scratch blocks."""
+    row = pl.BlockSpec((block_q, HEAD_DIM), q_index_map)
+    stat = pl.BlockSpec((block_q, 1), q_index_map)
+    kv = pl.BlockSpec((block_kv, HEAD_DIM), lambda j, i: (j, 0))
 
     def fn(q, k, v, do, lse, delta):
         out = jax.ShapeDtypeStruct(k.shape, jnp.float32)
         return pallas_call(
-            body, out_shape=(out, out), grid=DKV_GRID,
+            body, out_shape=(out, out), grid=grid,
             in_specs=[row, kv, kv, row, stat, stat], out_specs=(kv, kv),
-            scratch_shapes=[pltpu.VMEM((BLOCK_KV, HEAD_DIM), jnp.float32)] * 2,
+            scratch_shapes=[pltpu.VMEM((block_kv, HEAD_DIM), jnp.float32)] * 2,
             compiler_params=_params("parallel", "arbitrary"), interpret=interpret,
             in_names=BACKWARD_INPUTS, out_names=("dk", "dv"))(q, k, v, do, lse, delta)
     return fn
+
+
+def _build_dkv(body, *, interpret):
+    return _dkv_call(body, DKV_GRID, BLOCK_Q, BLOCK_KV, lambda j, i: (i, 0), interpret=interpret)
 
 
 DKV = register(Puzzle(
@@ -512,19 +518,8 @@ def _causal_dkv_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
 
 
 def _build_causal_dkv(q_index_map, *, interpret):
-    row = pl.BlockSpec((CAUSAL_BLOCK, HEAD_DIM), q_index_map)
-    stat = pl.BlockSpec((CAUSAL_BLOCK, 1), q_index_map)
-    kv = pl.BlockSpec((CAUSAL_BLOCK, HEAD_DIM), lambda j, i: (j, 0))
-
-    def fn(q, k, v, do, lse, delta):
-        out = jax.ShapeDtypeStruct(k.shape, jnp.float32)
-        return pallas_call(
-            _causal_dkv_body, out_shape=(out, out), grid=CAUSAL_GRID,
-            in_specs=[row, kv, kv, row, stat, stat], out_specs=(kv, kv),
-            scratch_shapes=[pltpu.VMEM((CAUSAL_BLOCK, HEAD_DIM), jnp.float32)] * 2,
-            compiler_params=_params("parallel", "arbitrary"), interpret=interpret,
-            in_names=BACKWARD_INPUTS, out_names=("dk", "dv"))(q, k, v, do, lse, delta)
-    return fn
+    return _dkv_call(_causal_dkv_body, CAUSAL_GRID, CAUSAL_BLOCK, CAUSAL_BLOCK, q_index_map,
+                     interpret=interpret)
 
 
 def _causal_dkv_audit(q_index_map):
