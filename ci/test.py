@@ -269,26 +269,23 @@ class Job:
             self.weight = EXPECTED_SECONDS.get(self.label, DEFAULT_SECONDS)
 
 
-# Each pooled job's seconds in the clean-clone run of the full command on 2 cores (2026-12-05, before
-# nbval and lab joined the pool; nbval's notebooks from their papermill times on JAX 0.7.2, plus the
-# memory measurements that only nbval runs). Only the order in which the jobs start depends on them:
-# the longest first, so that no long job starts last and leaves one core idle at the end (notebook 10
-# started last by its file size and ran alone for its final 100 s). A job not listed counts as
-# DEFAULT_SECONDS.
+# Each pooled job's seconds in a clean-clone run of the full command on 2 cores (2026-12-07, commit
+# 45124fe, two jobs at a time). Only the order in which the jobs start depends on them: the longest
+# first, so that no long job starts last and leaves one core idle at the end (notebook 10 started last
+# by its file size and ran alone for its final 100 s). A job not listed counts as DEFAULT_SECONDS.
 EXPECTED_SECONDS = {
-    "book": 103, "lab": 57,
-    "nbval 10_in_a_model": 180, "nbval 05_measure": 60, "nbval 03_pallas_kernel": 55,
-    "nbval 04_native_attention": 45, "nbval 01_naive_attention": 30, "nbval 02_online_softmax": 25,
-    "nbval 06_scale_out": 22, "nbval 07_decode": 22, "nbval 11_the_hard_way": 14,
-    "nbval 08_puzzles_forward": 11, "nbval 09_puzzles_backward": 13,
-    "colab 10_in_a_model": 146, "colab 03_pallas_kernel": 53, "colab 04_native_attention": 37,
-    "colab 05_measure": 37, "colab 02_online_softmax": 25, "colab 07_decode": 22, "colab 06_scale_out": 22,
-    "colab 01_naive_attention": 20, "colab 11_the_hard_way": 14, "colab 09_puzzles_backward": 13,
-    "colab 08_puzzles_forward": 11, "colab puzzles": 60,
-    "0.8.3 03_pallas_kernel": 61, "0.9.2 03_pallas_kernel": 65, "0.8.3 02_online_softmax": 26,
-    "0.9.2 02_online_softmax": 26, "0.8.3 01_naive_attention": 19, "0.9.2 01_naive_attention": 19,
-    "0.8.3 oracle": 11, "0.9.2 oracle": 12, "0.8.3 compile": 4, "0.9.2 compile": 5,
-    "dry-run 03_pallas_kernel": 58, "dry-run 04_native_attention": 33, "dry-run 05_measure": 22,
+    "book": 137, "lab": 169,
+    "nbval 10_in_a_model": 288, "nbval 03_pallas_kernel": 184, "nbval 02_online_softmax": 94,
+    "nbval 05_measure": 72, "nbval 04_native_attention": 71, "nbval 01_naive_attention": 62,
+    "nbval 07_decode": 43, "nbval 06_scale_out": 27, "nbval 11_the_hard_way": 22,
+    "nbval 09_puzzles_backward": 16, "nbval 12_capstones": 15, "nbval 08_puzzles_forward": 14,
+    "colab 03_pallas_kernel": 123, "colab 10_in_a_model": 66, "colab 05_measure": 47, "colab puzzles": 45,
+    "colab 04_native_attention": 41, "colab 07_decode": 37, "colab 02_online_softmax": 27,
+    "colab 06_scale_out": 19, "colab 01_naive_attention": 17, "colab 11_the_hard_way": 14,
+    "colab 09_puzzles_backward": 13, "colab 08_puzzles_forward": 13, "colab 12_capstones": 12,
+    "0.9.2 03_pallas_kernel": 90, "0.8.3 03_pallas_kernel": 77, "0.9.2 oracle": 13, "0.8.3 oracle": 12,
+    "0.9.2 compile": 7, "0.8.3 compile": 6,
+    "dry-run 03_pallas_kernel": 77, "dry-run 04_native_attention": 34, "dry-run 05_measure": 34,
 }
 DEFAULT_SECONDS = 30.0
 
