@@ -14,9 +14,10 @@ anything is traced. :func:`tpuattn.options_of` lists a record's options; :func:`
   ``ForwardBlocks``) is the ``Blocks`` of the same sizes.
 * the records: :class:`ReferenceOptions`, :class:`XlaOptions`, :class:`BlockwiseOptions`,
   :class:`SplashOptions`, :class:`PallasOptions`, :class:`TokamaxOptions`, the lesson kernel's
-  :class:`LessonOptions` (``impl="lesson"``), and the decode kernel's :class:`DecodeKernelOptions`
-  (``tpuattn.decode.attention(impl="pallas")``, listed by :func:`tpuattn.decode.options_of`); each
-  checks its own tile rule on construction.
+  :class:`LessonOptions` (``impl="lesson"``) (:data:`RECORDS`), and the decode contract's
+  :class:`DecodeReferenceOptions`, :class:`DecodeKernelOptions` (its ``pallas``),
+  :class:`JaxPagedOptions` and :class:`JaxRaggedOptions` (:data:`DECODE_RECORDS`, listed by
+  :func:`tpuattn.decode.options_of`); each checks its own values on construction.
 * :func:`option_fields`, :func:`option_names`, :func:`option_descriptions` -- what a registry record's
   ``options`` declaration (a record type, or a plain tuple of names) takes, for both contracts.
 * :func:`resolve_interpret` -- the one way ``interpret=`` becomes what ``pallas_call`` takes;
