@@ -123,3 +123,71 @@ def test_clocks_are_published_or_derived():
 def test_bad_weights_are_named():
     with pytest.raises(errors.TpuattnError, match="compute: expected a share between 0 and 1, got 1.5"):
         estimate.Weights(compute=1.5)
+
+
+# A grid whose size the program passes in (tokamax's kernels step over the visited tiles only): the loop's
+# branch back tests its index against a scalar the bundles compute from the call's operand 0, here
+# 2 + (136 << 3) = 1090 trips, the shape of the tokamax forward's v5e bundles (operand 0 is the HLO's
+# constant 136, its visited tiles per head).
+DYNAMIC_GRID = """\
+     0   :  { %s4030_s0 = inlined_call_operand.<no memory space> [shape: s32[], index: 0, kind: input] }
+   0x1   :  { %4043 = sst [smem:[#allocation14_spill]] %s4030_s0 }
+   0x2   :  { %s4041_s12 = sshll.u32 %s4030_s0, 3 }
+   0x3   :  { %s2937_s14 = sadd.s32 2, %s4041_s12 }
+   0x4   :  { %s2948_s18 = smov 0 }
+   0x5 LB: > { %s2851_s18 = sphi %s2948_s18, %s48_s18 } /* Start region 91 */
+   0x6   : > { %p1_p1 = scmp.eq.s32.totalorder %s2851_s18, 0 }
+   0x7   : > { %2 = sbr.rel (%p1_p1) target = $region5 }
+   0x8   : > { %v1_v1 = vmatmul.f32 %v0_v0 }
+   0x9   : > { %v2_v2 = vmatmul.f32 %v1_v1 }
+   0xa PF: > { %s48_s18 = sadd.s32 1, %s2851_s18 } /* Start region 5 */
+   0xb   : > { %p47_p2 = scmp.ge.s32.totalorder %s48_s18, %s2937_s14 }
+   0xc   :  { %50 = sbr.rel (!%p47_p2) target = $region91 }
+   0xd   :  {}
+"""
+
+
+def test_a_grid_sized_by_an_operand_takes_its_trips_from_it(tmp_path):
+    path = tmp_path / "dynamic-01-final_bundles.txt"
+    path.write_text(DYNAMIC_GRID)
+    bundles = estimate.read(path)
+    ((start, stop, depth, trips),) = estimate.loops(bundles, (136, None))
+    assert (depth, trips) == (1, 2 + 136 * 8) and stop - start == 7
+    with pytest.raises(ValueError, match="no exit test with a constant trip count"):
+        estimate.loops(bundles, (None,))  # the operand is not a constant of the program
+    one = estimate.estimate_bundles(path, "v5e", estimate.Weights(), operands=(136,))
+    assert one.trips == (1090,)
+    # The two vmatmul bundles the branch skips run on the computing steps' share. A kernel's shares on
+    # either grid: this grid's size is an operand, so it takes the visited tiles' (every step computes).
+    (compute,) = one.regions
+    assert (compute.kind, compute.vmatmul, compute.stop - compute.start) == ("compute", 2, 2)
+    half = estimate.estimate_bundles(path, "v5e", estimate.Weights(compute=0.5), operands=(136,))
+    assert one.cycles - half.cycles == pytest.approx(0.5 * 2 * 1090)
+    shares = estimate.GridShares(full=estimate.Weights(compute=0.5), visited=estimate.Weights())
+    assert estimate.estimate_bundles(path, "v5e", shares, operands=(136,)).cycles == one.cycles
+
+
+def test_visited_grid_and_splash_weights():
+    # 4 x 4 tiles of a causal square visited: 10 steps, all computing, 4 of them partial, 4 rows.
+    assert estimate.visited_grid_weights(2048, 512, 512) == estimate.Weights(compute=1.0, partial=4 / 10,
+                                                                            edge=4 / 10)
+    # splash's body (its nested branch included) runs on every visited tile, for every kernel.
+    every = estimate.splash_weights(2048, 512)
+    assert every.get("splash_mha_dkv_no_residuals") == estimate.Weights(compute=10 / 16, partial=10 / 16,
+                                                                         edge=1 / 4)
+    assert estimate.EveryKernel(None).get("any", estimate.Weights()) == estimate.Weights()
+
+
+def test_v4_compiles_for_its_megacore_device():
+    # A v4 JAX device is the chip, its two TensorCores one megacore device (tpuattn.chips: megacore, a
+    # device's share of the chip 1); libtpu describes that device when asked for the megacore chip
+    # configuration, four devices of two cores for the 2x2x1 slice.
+    from jax.experimental import topologies
+
+    assert chips.get("v4").megacore and chips.get("v4").per_device()["hbm_bandwidth"] == 1.23e12
+    code = estimate.device_code("FN = None\nARGS = []\n", "v4")
+    assert "chip_config_name" in code and code.endswith("FN = None\nARGS = []\n")
+    assert estimate.device_code("FN = None", "v5p") == "FN = None"  # v5p's devices are megacore already
+    described = topologies.get_topology_desc(topology_name=chips.get("v4").topology, platform="tpu",
+                                             **estimate.TOPOLOGY_OPTIONS["v4"])
+    assert len(described.devices) == 4 and described.devices[0].num_cores == 2

@@ -104,6 +104,16 @@ class Weights:
 
 
 @dataclasses.dataclass(frozen=True)
+class GridShares:
+    """A kernel's :class:`Weights` on either grid its compiler may make: ``full`` where the grid steps over
+    every tile (its trip count a constant), ``visited`` where it steps over the visited tiles only (its trip
+    count an operand of the call, :func:`loops`: tokamax's forward kernels)."""
+
+    full: Weights
+    visited: Weights
+
+
+@dataclasses.dataclass(frozen=True)
 class Computation:
     """One computation's estimate (``compiled (static estimate, not run)``)."""
 
@@ -145,10 +155,54 @@ def read(path: str | os.PathLike) -> list[Bundle]:
             for depth, loop, text in bundles]
 
 
-def loops(bundles: list[Bundle]) -> list[tuple[int, int, int, int]]:
+def _definitions(bundles: list[Bundle]) -> dict[str, str]:
+    """``SSA name -> the instruction defining it`` (libtpu's scalar names, ``%s2937_s14``, are unique)."""
+    found = {}
+    for bundle in bundles:
+        for instruction in re.split(r"\{|;;|\}", bundle.text):
+            match = re.match(r"\s*%(\w+) = (.*)", instruction)
+            if match:
+                found.setdefault(match.group(1), match.group(2))
+    return found
+
+
+def _scalar(name: str, definitions: dict, operands: tuple, spills: dict, depth: int = 0) -> int | None:
+    """The value of the scalar ``name`` where the bundles fix it before the loop: a constant, a constant
+    added to, shifted or multiplied into a known scalar, a spill slot's stored value, or an operand of the
+    call that the program passes as a constant (``operands``, from its HLO); None otherwise."""
+    text = definitions.get(name)
+    if text is None or depth > 12:
+        return None
+    value = lambda token: (int(token) if re.fullmatch(r"-?\d+", token) else
+                           _scalar(token.lstrip("%"), definitions, operands, spills, depth + 1))
+    match = re.match(r"smov (-?\d+|%\w+)\b", text)
+    if match:
+        return value(match.group(1))
+    match = re.match(r"(sadd\.s32|sshll\.u32|smul\.u32|smul\.s32) (-?\d+|%\w+), (-?\d+|%\w+)", text)
+    if match:
+        a, b = value(match.group(2)), value(match.group(3))
+        if a is None or b is None:
+            return None
+        return {"sadd.s32": a + b, "sshll.u32": a << b}.get(match.group(1), a * b)
+    match = re.match(r"inlined_call_operand\.[^\[]*\[shape: s32\[\], index: (\d+)", text)
+    if match:
+        index = int(match.group(1))
+        return operands[index] if index < len(operands) else None
+    match = re.match(r"sld \[smem:\[#(\w+_spill)\]\]", text)
+    if match and match.group(1) in spills:
+        return value(spills[match.group(1)])
+    return None
+
+
+def loops(bundles: list[Bundle], operands: tuple = ()) -> list[tuple[int, int, int, int]]:
     """``(start, stop, depth, trips)`` of each loop: the bundles from its ``LB:`` on at its depth or
-    deeper, the trip count the last exit test at its depth compares with."""
+    deeper, the trip count the last exit test at its depth compares with: a constant
+    (``scmp.ge ... N /* loop exit test */``) or, for a grid whose size the program passes in (tokamax's
+    kernels step over the visited tiles only, their count a scalar operand), the scalar the loop's
+    branch back tests, where the bundles compute it from constants and the call's constant
+    ``operands`` (:func:`_scalar`)."""
     found = []
+    definitions, spills = None, {}
     for start, bundle in enumerate(bundles):
         if not bundle.loop:
             continue
@@ -158,9 +212,32 @@ def loops(bundles: list[Bundle]) -> list[tuple[int, int, int, int]]:
         exits = [int(m) for b in bundles[start:stop] if b.depth == bundle.depth
                  for m in _EXIT.findall(b.text)]
         if not exits:
+            if definitions is None:
+                definitions = _definitions(bundles)
+                spills = {slot: stored for b in bundles
+                          for slot, stored in re.findall(r"sst \[smem:\[#(\w+_spill)\]\] (%\w+)", b.text)}
+            exits = _dynamic_exit(bundles, start, stop, definitions, operands, spills)
+        if not exits:
             raise ValueError(f"bundles: the loop at bundle {start} has no exit test with a constant "
                              f"trip count")
         found.append((start, stop, bundle.depth, exits[-1]))
+    return found
+
+
+def _dynamic_exit(bundles, start, stop, definitions, operands, spills) -> list[int]:
+    """The trip count of a loop whose branch back (``sbr.rel (!%p) target = $regionN``, N the region its
+    ``LB:`` bundle starts) tests ``%p = scmp.ge.s32.totalorder %i, %bound``: ``bound`` resolved."""
+    head = re.findall(r"Start region (\d+)", bundles[start].text)
+    found = []
+    for b in bundles[start:stop + 1]:
+        for predicate, newer, older in _BRANCH.findall(b.text):
+            if (newer or older) not in head:
+                continue
+            test = definitions.get(predicate.strip().lstrip("!").lstrip("%"), "")
+            match = re.match(r"scmp\.ge\.s32\.totalorder %\w+, %(\w+)", test)
+            value = None if match is None else _scalar(match.group(1), definitions, operands, spills)
+            if value is not None:
+                found.append(value)
     return found
 
 
@@ -222,15 +299,22 @@ def _frequencies(bundles: list[Bundle], found: list[Region]) -> list[float]:
 
 
 def estimate_bundles(path: str | os.PathLike, chip: str, weights: Weights | None = None, *,
-                     hbm_bytes: float = 0.0, name: str | None = None) -> Computation:
+                     hbm_bytes: float = 0.0, name: str | None = None, operands: tuple = ()) -> Computation:
     """The estimate of one computation's final-bundles file (``weights`` given: a Pallas kernel whose grid
-    runs its branches that often; None: an XLA computation that moves ``hbm_bytes``)."""
+    runs its branches that often; None: an XLA computation that moves ``hbm_bytes``; ``operands``: the
+    call's scalar operands the program passes as constants, None for the others, which a grid's size
+    may be read from)."""
     clock, _ = chips.estimate_clock(chip)
     bandwidth = chips.get(chip).per_device()["hbm_bandwidth"]
     bundles = read(path)
+    found_loops = loops(bundles, operands)
+    if isinstance(weights, GridShares):  # which grid the compiler made: every tile's or the visited ones'
+        grid = next(((s, e) for s, e, depth, _t in found_loops if depth == 1), None)
+        sized = grid is not None and not any(_EXIT.search(b.text) for b in bundles[grid[0]:grid[1]]
+                                             if b.depth == 1)
+        weights = weights.visited if sized else weights.full
     found = regions(bundles, weights)
     per_bundle = _frequencies(bundles, found)
-    found_loops = loops(bundles)
     times = [1.0] * len(bundles)
     for start, stop, _depth, trips in found_loops:
         for index in range(start, stop):
@@ -308,6 +392,18 @@ def _hbm_bytes(name: str, defs: dict) -> float:
     return total
 
 
+def _constant_operands(name: str, defs: dict) -> tuple:
+    """The scalar integer constants an HLO instruction takes, by operand position (None: not one)."""
+    if name not in defs:
+        return ()
+    found = []
+    for operand in re.findall(r"%([\w.\-]+)", defs[name][2]):
+        shape, op, value = defs.get(operand, ("", "", ""))
+        found.append(int(value) if op == "constant" and shape.startswith("s32[]")
+                     and re.fullmatch(r"-?\d+", value) else None)
+    return tuple(found)
+
+
 def _program_files(out: Path) -> tuple[Path, Path]:
     """The final bundles and HLO of the dumped program ``jit_FN`` (the child's ``FN``)."""
     for hlo in sorted((out / "llo").glob("*-TLP-hlo.txt")):
@@ -356,7 +452,8 @@ def estimate_dump(out: str | os.PathLike, chip: str, weights: dict[str, Weights]
                 moved = _hbm_bytes(name, defs)
                 one = Computation(name, "xla", 0, (), 0.0, 0.0, moved, moved / bandwidth)
             elif kernel is not None:
-                one = estimate_bundles(path, chip, weights.get(kernel, Weights()), name=kernel)
+                one = estimate_bundles(path, chip, weights.get(kernel, Weights()), name=kernel,
+                                       operands=_constant_operands(name, defs))
             else:
                 one = estimate_bundles(path, chip, None, hbm_bytes=_hbm_bytes(name, defs), name=name)
             computations += [one] * repeat
@@ -373,12 +470,46 @@ def estimate_dump(out: str | os.PathLike, chip: str, weights: dict[str, Weights]
     return Estimate(chip, clock, source, tuple(computations), sum(c.seconds for c in computations))
 
 
+# A JAX device of a megacore chip (v4, v5p) is the chip: its two TensorCores run one program, the compiler
+# splitting a Pallas grid's "parallel" axes between them (jax-ml/jax discussion #36155: "On TPU v4, a JAX
+# logical device is normally configured as a Megacore containing two physical TensorCores"; JAX's
+# pallas.tpu.ChipVersion table: v4 and v5p support megacore), as tpuattn.chips models them (Chip.megacore,
+# per_device). libtpu describes "v5p:2x2x1" that way, but "v4:2x2x1" as eight one-TensorCore devices
+# unless asked for the megacore chip configuration (chip_config_name="megacore": four devices of two
+# cores, as a v4-8 shows JAX). The estimate compiles for the device the measured runs ran on.
+TOPOLOGY_OPTIONS = {"v4": {"chip_config_name": "megacore"}}
+_TOPOLOGY_PRELUDE = """
+from jax.experimental import topologies as _topologies
+from tpuattn.measure import aot as _aot
+from tpuattn.pallas import compat as _compat
+_name = {name!r}
+_aot._TOPOLOGIES[_name] = _topologies.get_topology_desc(topology_name=_name, platform="tpu", **{options!r})
+_compat.match_installed_libtpu(_aot._TOPOLOGIES[_name].devices[0])
+"""
+
+
+def device_code(code: str, chip: str) -> str:
+    """``code`` for the child compile, led by the topology the chip's JAX device has
+    (:data:`TOPOLOGY_OPTIONS`: v4's megacore device) where libtpu's default describes another."""
+    options = TOPOLOGY_OPTIONS.get(chips.get(chip).name)
+    if not options:
+        return code
+    return _TOPOLOGY_PRELUDE.format(name=chips.get(chip).topology, options=options) + code
+
+
+def dump(code: str, chip: str, out_dir, *, timeout: float = 300) -> Path:
+    """:func:`tpuattn.measure.static.dump` of ``code`` compiled for ``chip``'s JAX device
+    (:func:`device_code`)."""
+    return static.dump(device_code(code, chip), chip, out_dir, timeout=timeout)
+
+
 def estimate(code: str, chip: str = "v5e", weights: dict[str, Weights] | None = None, *,
              out_dir=None) -> Estimate:
-    """Compile the program ``code`` describes (see :func:`tpuattn.measure.static.dump`) for ``chip`` with
-    libtpu's dumps and estimate it (the dump kept in ``out_dir`` if given, else deleted)."""
+    """Compile the program ``code`` describes (see :func:`tpuattn.measure.static.dump`) for ``chip``'s JAX
+    device (:func:`dump`) with libtpu's dumps and estimate it (the dump kept in ``out_dir`` if given, else
+    deleted)."""
     with tempfile.TemporaryDirectory(prefix="tpuattn_estimate_") as scratch:
-        out = static.dump(code, chip, scratch if out_dir is None else out_dir)
+        out = dump(code, chip, scratch if out_dir is None else out_dir)
         return estimate_dump(out, chip, weights)
 
 
@@ -437,6 +568,133 @@ def tile_weights(seq_len: int, block: int, causal: bool) -> Weights:
     visited = int((codes != spec_module.EMPTY).sum())
     partial = int((codes == spec_module.PARTIAL).sum())
     return Weights(compute=visited / total, partial=partial / total, edge=1 / codes.shape[1])
+
+
+class EveryKernel(dict):
+    """The same grid weights for every Pallas kernel of a program (a splash or tokamax program's forward
+    and backward grids share the square problem's tile map); ``weights`` empty or None: each kernel as
+    :func:`estimate_dump` weighs one not named."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.weights = weights
+
+    def get(self, key, default=None):
+        return self.weights or default
+
+
+def splash_weights(seq_len: int, block: int, causal: bool = True) -> EveryKernel:
+    """JAX's splash kernels' grid shares at square ``block`` tiles. Every visited tile runs splash's whole
+    body (its mask is applied inside it): the body's nested branch runs on each computing step, so its
+    share is the computing share. With :func:`tile_weights` alone (that branch taken as the partial
+    tiles') the dQ and dK/dV kernels would count their matmuls on the partial tiles only (about 40% of
+    the visited ones at 8K tokens, 512 x 512)."""
+    w = tile_weights(seq_len, block, causal)
+    return EveryKernel(Weights(compute=w.compute, partial=w.compute, edge=w.edge))
+
+
+def tokamax_weights(seq_len: int, block_q: int, block_kv: int, causal: bool = True) -> EveryKernel:
+    """tokamax's kernels' shares (:class:`GridShares`): a grid over the visited tiles
+    (:func:`visited_grid_weights`) or over every tile (:func:`tile_weights`, its masked and unmasked
+    branches two siblings in the bundles, each weighed by its tiles' share)."""
+    from tpuattn import spec as spec_module
+
+    codes = spec_module.spec_from_shapes(seq_len, seq_len, causal=causal).mask.block_map(block_q, block_kv)
+    full = Weights(compute=int((codes != spec_module.EMPTY).sum()) / codes.size,
+                   partial=int((codes == spec_module.PARTIAL).sum()) / codes.size, edge=1 / codes.shape[1])
+    return EveryKernel(GridShares(full, visited_grid_weights(seq_len, block_q, block_kv, causal)))
+
+
+def visited_grid_weights(seq_len: int, block_q: int, block_kv: int, causal: bool = True) -> Weights:
+    """The shares of a grid that steps over the visited tiles only (tokamax's splash kernels: their grid's
+    size is a scalar operand, :func:`loops`): every step computes, the partial tiles' share of the visited
+    ones is masked, and set-up and write-out run once per row of tiles."""
+    from tpuattn import spec as spec_module
+
+    codes = spec_module.spec_from_shapes(seq_len, seq_len, causal=causal).mask.block_map(block_q, block_kv)
+    visited = int((codes != spec_module.EMPTY).sum())
+    return Weights(compute=1.0, partial=int((codes == spec_module.PARTIAL).sum()) / visited,
+                   edge=codes.shape[0] / visited)
+
+
+def tokamax_blocks(out: str | os.PathLike) -> tuple[int, int] | None:
+    """``(block_q, block_kv)`` of the tokamax forward a dump holds, from the configuration its program's
+    HLO carries in its metadata (None: no tokamax op there)."""
+    for hlo in sorted(Path(out, "llo").glob("*-TLP-hlo.txt")):
+        found = re.search(r'block_q\\?":(\d+),\\?"block_kv\\?":(\d+)', hlo.read_text())
+        if found:
+            return int(found.group(1)), int(found.group(2))
+    return None
+
+
+def split_branches(out, result: Estimate, chip: str, weights: dict,
+                   kernels=None) -> tuple[Estimate, list]:
+    """The kernels (``kernels``: those names, else every Pallas kernel ``weights`` names) with their masked
+    and unmasked branches weighed apart wherever :func:`regions` read them as two computing branches
+    (``(estimate, the kernels so read again)``).
+
+    Where the compiler nests a grid step's body in the pipeline's DMA-wait branch (the package's v5e
+    forward at 32K tokens, 1024 x 1024), :func:`regions` finds the two branches under no computing parent
+    and counts both on every computing step. Here the branch with more mask instructions runs on the
+    partial tiles' share and its sibling on the rest, as :func:`regions` weighs them where a computing
+    branch encloses them; the estimate's other terms are kept."""
+    clock, _ = chips.estimate_clock(chip)
+    fixed, names = [], []
+    for c in result.computations:
+        named = c.name in (weights if kernels is None else kernels)
+        w = weights.get(c.name) if c.kind == "pallas" and named else None
+        computes = [r for r in c.regions if r.kind == "compute" and r.vmatmul]
+        apart = len(computes) == 2 and (computes[0].stop <= computes[1].start
+                                        or computes[1].stop <= computes[0].start)
+        if w is None or not apart or any(r.kind in ("partial", "unmasked") for r in c.regions):
+            fixed.append(c)
+            continue
+        bundles = read(static.bundle_file(out, c.name))
+        most = max(r.mask_ops for r in computes)
+        masked = dict(kind="partial", frequency=w.partial)
+        unmasked = dict(kind="unmasked", frequency=w.compute - w.partial)
+        found = [r if r not in computes else
+                 dataclasses.replace(r, **(masked if r.mask_ops == most else unmasked)) for r in c.regions]
+        times = [1.0] * len(bundles)
+        for start, stop, _depth, trips in loops(bundles):
+            for index in range(start, stop):
+                times[index] *= trips
+        per_bundle = _frequencies(bundles, found)
+        cycles = sum(f * t * b.cycles for f, t, b in zip(per_bundle, times, bundles, strict=True))
+        seconds = c.seconds - c.compute_s + cycles / clock
+        fixed.append(dataclasses.replace(c, cycles=cycles, compute_s=cycles / clock, seconds=seconds,
+                                         regions=tuple(found)))
+        names.append(c.name)
+    if not names:
+        return result, []
+    total = sum(c.seconds for c in fixed)
+    return dataclasses.replace(result, computations=tuple(fixed), seconds=total), names
+
+
+def estimate_with_counts(code: str, chip: str, weights, *, split=None,
+                         timeout: float = 1200) -> tuple[Estimate, dict]:
+    """The estimate of ``code`` compiled for ``chip`` (:func:`dump`) and, per Pallas kernel, its static
+    counts (:func:`tpuattn.measure.static.kernel_static`: loop bundles, vmatmul, vector-ALU and EUP
+    instructions of one grid step) from the same dump. ``weights`` may be a function of the dump folder
+    (a kernel whose blocks the dump names); ``split``: the kernels whose branches
+    :func:`split_branches` weighs apart (named ``"branches split"`` in the counts)."""
+    with tempfile.TemporaryDirectory(prefix="tpuattn_estimate_") as scratch:
+        # a longer wait than the dump's default: the GQA backward's compile outlasts 300 s on a shared machine
+        dump(code, chip, scratch, timeout=timeout)
+        weights = weights(scratch) if callable(weights) else weights
+        result = estimate_dump(scratch, chip, weights)
+        names = []
+        if split:
+            result, names = split_branches(scratch, result, chip, weights, split)
+        counts = {"branches split": names} if names else {}
+        for name in static.kernel_names(scratch):
+            try:
+                k = static.kernel_static(scratch, name, chip)
+            except (ValueError, OSError):
+                continue
+            counts[name] = dict(bundles=k.bundles, loop_bundles=k.loop_bundles, vmatmul=k.vmatmul,
+                                ideal_vmatmul=k.ideal_vmatmul, valu=k.valu, eup=k.eup)
+    return result, counts
 
 
 # ---------------------------------------------------------------------------- a report row's field

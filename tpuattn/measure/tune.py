@@ -8,7 +8,8 @@ backward together (``fwd+bwd``) with the forward at the blocks just chosen, so t
 rather than multiply. A candidate is tried only where it is legal for the chip (:func:`fits`: accepted
 by the compiler's block table, ``compiled_blocks.json``, where that has the chip's rows, else within the
 VMEM model's budget of :mod:`tpuattn.pallas.blocks`). Where the estimator reads a kernel's masked and
-unmasked branches as two computing branches, :func:`split_branches` weighs them apart.
+unmasked branches as two computing branches, :func:`tpuattn.measure.estimate.split_branches` weighs them
+apart (the bundle reading lives in :mod:`tpuattn.measure.estimate`).
 
 ``python -m tpuattn.aot --tune --chips v5e,v6e,v5p [--seq-lens 2048,8192,32768] [--candidates ...]``
 writes ``tuned_blocks.json`` (the rows, the command, the date and the versions that made it, as every
@@ -21,12 +22,15 @@ The package kernel against splash (:func:`compare_row`) is estimated the same wa
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
 from pathlib import Path
 
 from tpuattn.measure import estimate
+from tpuattn.measure.estimate import EveryKernel as _every_kernel
+from tpuattn.measure.estimate import split_branches  # noqa: F401 - read here, kept in estimate
 
 LABEL = estimate.LABEL
 SEQ_LENS = (2048, 8192, 32768)
@@ -165,76 +169,12 @@ def estimate_pallas(chip: str, seq_len: int, mode: str, blocks: dict, **problem)
     return row
 
 
-def split_branches(out, result: estimate.Estimate, chip: str,
-                   weights: dict) -> tuple[estimate.Estimate, list]:
-    """The package's kernels with their masked and unmasked branches weighed apart wherever the estimator
-    read them as two computing branches (``(estimate, the kernels so read again)``).
-
-    Where the compiler nests a grid step's body in the pipeline's DMA-wait branch (the v5e forward at
-    32K tokens, 1024 x 1024), :func:`tpuattn.measure.estimate.regions` finds the two branches under no
-    computing parent and counts both on every computing step. Here the branch with more mask
-    instructions runs on the partial tiles' share and its sibling on the rest, as the estimator weighs
-    them where a computing branch encloses them; the estimate's other terms are kept."""
-    import dataclasses
-
-    from tpuattn import chips as chips_module
-    from tpuattn.measure import static
-
-    clock, _ = chips_module.estimate_clock(chip)
-    fixed, names = [], []
-    for c in result.computations:
-        w = weights.get(c.name) if c.kind == "pallas" and c.name in PALLAS_KERNELS else None
-        computes = [r for r in c.regions if r.kind == "compute" and r.vmatmul]
-        apart = len(computes) == 2 and (computes[0].stop <= computes[1].start
-                                        or computes[1].stop <= computes[0].start)
-        if w is None or not apart or any(r.kind in ("partial", "unmasked") for r in c.regions):
-            fixed.append(c)
-            continue
-        bundles = estimate.read(static.bundle_file(out, c.name))
-        most = max(r.mask_ops for r in computes)
-        masked = dict(kind="partial", frequency=w.partial)
-        unmasked = dict(kind="unmasked", frequency=w.compute - w.partial)
-        regions = [r if r not in computes else
-                   dataclasses.replace(r, **(masked if r.mask_ops == most else unmasked)) for r in c.regions]
-        times = [1.0] * len(bundles)
-        for start, stop, _depth, trips in estimate.loops(bundles):
-            for index in range(start, stop):
-                times[index] *= trips
-        per_bundle = estimate._frequencies(bundles, regions)
-        cycles = sum(f * t * b.cycles for f, t, b in zip(per_bundle, times, bundles, strict=True))
-        seconds = c.seconds - c.compute_s + cycles / clock
-        fixed.append(dataclasses.replace(c, cycles=cycles, compute_s=cycles / clock, seconds=seconds,
-                                         regions=tuple(regions)))
-        names.append(c.name)
-    if not names:
-        return result, []
-    total = sum(c.seconds for c in fixed)
-    return dataclasses.replace(result, computations=tuple(fixed), seconds=total), names
-
-
 def _estimate_with_counts(code: str, chip: str, weights) -> tuple[estimate.Estimate, dict]:
-    """The estimate and, per Pallas kernel, its static counts (:func:`tpuattn.measure.static.kernel_static`:
-    loop bundles, vmatmul, vector-ALU and EUP instructions of one grid step) from the same dump."""
-    import tempfile
-
-    from tpuattn.measure import static
-
-    with tempfile.TemporaryDirectory(prefix="tpuattn_tune_") as scratch:
-        # a longer wait than the dump's default: the GQA backward's compile outlasts 300 s on a shared machine
-        result = estimate.estimate_dump(static.dump(code, chip, scratch, timeout=1200), chip, weights)
-        if isinstance(weights, dict) and not isinstance(weights, _every_kernel):
-            result, names = split_branches(scratch, result, chip, weights)
-        else:
-            names = []
-        counts = {"branches split": names} if names else {}
-        for name in static.kernel_names(scratch):
-            try:
-                k = static.kernel_static(scratch, name, chip)
-            except (ValueError, OSError):
-                continue
-            counts[name] = dict(bundles=k.bundles, loop_bundles=k.loop_bundles, vmatmul=k.vmatmul,
-                                ideal_vmatmul=k.ideal_vmatmul, valu=k.valu, eup=k.eup)
-    return result, counts
+    """:func:`tpuattn.measure.estimate.estimate_with_counts`; the package's kernels (a dict of weights by
+    kernel) with their branches weighed apart where the estimator read two computing branches
+    (:func:`split_branches`)."""
+    split = PALLAS_KERNELS if isinstance(weights, dict) and not isinstance(weights, _every_kernel) else None
+    return estimate.estimate_with_counts(code, chip, weights, split=split)
 
 
 def _by_kernel(result: estimate.Estimate) -> dict:
@@ -306,16 +246,15 @@ SPLASH_BLOCK = 512
 HEADS = {"mha": (8, 8), "gqa": (16, 2)}
 
 
-class _every_kernel(dict):
-    """The same grid weights for every Pallas kernel of a splash program (its forward and backward grids
-    step over every tile of the square problem's map, skipping the empty ones)."""
-
-    def __init__(self, weights):
-        super().__init__()
-        self.weights = weights
-
-    def get(self, key, default=None):
-        return self.weights
+def _tokamax_weights(out, *, seq_len: int, row: dict) -> estimate.EveryKernel:
+    """tokamax's kernels' shares at the blocks its HLO names
+    (:func:`tpuattn.measure.estimate.tokamax_weights`: its forward steps over the visited tiles only, its
+    dK/dV kernel over every tile)."""
+    blocks = estimate.tokamax_blocks(out)
+    if blocks is None:
+        return estimate.EveryKernel(None)  # weighed as if every step computed
+    row["blocks"] = {"block_q": blocks[0], "block_kv": blocks[1]}
+    return estimate.tokamax_weights(seq_len, *blocks)
 
 
 def compare_row(chip: str, impl: str, seq_len: int, mode: str, heads: str) -> dict:
@@ -339,15 +278,10 @@ def compare_row(chip: str, impl: str, seq_len: int, mode: str, heads: str) -> di
             block = min(SPLASH_BLOCK, seq_len)
             row["blocks"] = {"block": block}
             code = SPLASH_GQA_CODE.format(seq_len=seq_len, backward=mode == "fwd+bwd", block=block, **shape)
-            # Every visited tile runs splash's whole body (its mask is applied inside it): the body's
-            # nested branch runs on each computing step, so its share is the computing share. With the
-            # estimator's default reading (that branch taken as the partial tiles' alone) the dQ and
-            # dK/dV kernels would count their matmuls on the 40% of visited tiles that are partial.
-            w = estimate.tile_weights(seq_len, block, True)
-            weights = _every_kernel(estimate.Weights(compute=w.compute, partial=w.compute, edge=w.edge))
+            weights = estimate.splash_weights(seq_len, block, True)  # its whole body on every visited tile
         elif impl == "tokamax":
             code = TOKAMAX_CODE.format(seq_len=seq_len, backward=mode == "fwd+bwd", **shape)
-            weights = None  # its kernels weighed as if every grid step computed: an upper bound
+            weights = functools.partial(_tokamax_weights, seq_len=seq_len, row=row)
         else:
             raise ValueError(f"impl: expected 'pallas', 'splash' or 'tokamax', got {impl!r}")
         result, counts = _estimate_with_counts(code, chip, weights)
