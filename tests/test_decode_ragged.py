@@ -46,7 +46,7 @@ CASES = [
     # positions), 9 crossing the page boundary at 16; three padding rows.
     Case("paged-f32-mixed"),
     Case("paged-bf16-window-softcap", dtype="bfloat16", window=(4, 0), softcap=3.0,
-         pallas=(("q_block", 4), ("chunk_blocks", 1), ("pages_per_step", 1))),
+         pallas=(("q_block", 4), ("pages_per_step", 1))),
     Case("paged-f32-g4-sinks", heads=8, kv_heads=2, sinks=True, pallas=(("q_block", 8),)),
     Case("contig-f32-window", paged=False, window=6, pallas=(("block_size", 8), ("q_block", 2))),
     # num_seqs 3 of 5: sequences 3 and 4 are not live, their cu_q_lens entries are garbage.

@@ -39,14 +39,34 @@ BlockSpec (a page is not contiguous with the next), so small pages do not each p
 pipeline overhead (what JAX's ``paged_attention`` does with ``pages_per_compute_block`` and manual
 DMAs). Not measured on a TPU yet (compiled only).
 
-A ragged batch (``cu_q_lens``) runs on the same grid: :func:`work_items` cuts each sequence's queries
-into blocks of ``q_block`` (default 16), each block one "sequence" of the dense grid with its own
-length and its sequence's row of the page table (scalar-prefetched), so a block fetches only the
-cache blocks its own queries see. The grid's size is a static bound (``total_tokens // q_block +
-batch`` items); the items past the last are empty and fetch nothing. ``q_block`` trades padded query
-rows (a decode's single query fills 1 of ``q_block`` rows) against cache re-reads (a prefill chunk of
-``n`` queries reads its cache ``ceil(n / q_block)`` times), and the cost estimate handed to the
-compiler counts every item's full capacity, an upper bound.
+A ragged batch (``cu_q_lens``: prefill chunks beside single-token decodes) runs on a token-major
+grid of its own (:func:`ragged_decode`), as engines' ragged kernels do. The flattened tokens are cut
+into *token blocks* of ``T`` (the ``q_block`` option, default :data:`DEFAULT_TOKEN_BLOCK` = 256), and
+:func:`visits` lists, outside the kernel, each block's sequences as *visits* ``(token block,
+sequence)``, sorted by token block: at most ``ceil(total_tokens / T) + batch - 1`` of them (a static
+bound; the ones past the last are empty), scalar-prefetched. Grid ``(kv_head_group, visit, kv_step)``:
+a visit's q and output blocks are its token block's ``[T, heads of the group, d]`` in q's own layout
+(no copy), so consecutive visits of a block keep its output and the float32 running max, sum and
+accumulator in VMEM; they are initialised at the block's first visit (the running max with the sink
+logit and the running sum with 1 when there are sinks), each visit adds only its sequence's rows (the
+others are masked to ``-inf`` and stay unchanged), and the block is finalised at its last visit
+(``v_scale`` applied) and written once in q's dtype: no float32 partials leave the kernel and nothing
+is merged outside. A visit's K/V index maps clamp into its sequence's useful cache blocks (those its
+queries in this block can see), so a step past them, and every step of an empty visit, asks for the
+block already held and issues no DMA. The cost estimate is a static upper bound: every visit reading
+its sequence's whole capacity once per kv head, q and the output once.
+
+``T`` trades MXU work against cache re-reads: every visit computes all ``group x T`` rows of its block
+against its sequence's blocks (a decode's visit: 1 useful token of 256), while a chunk of ``n``
+tokens reads its cache about ``ceil(n / T)`` times and the visit bound counts ``ceil(total / T)``
+blocks. At ``tpuattn.measure.aot``'s mixed batch (4 chunks of 256 beside 60 decodes, 16 pages of 64
+rows, 32 query heads on 8 kv heads of 128) ``T = 256`` gives 68 visits for 64 sequences, and the
+compiled program (v5e and v6e, bfloat16 cache, compiled, not run) accesses 1.07x the decode model's
+bytes (``book/decode-engine.md``); its FLOPs are the visits' full blocks, about 4x what the cache's
+bytes take at v5e's peak (modelled: 68 visits x 8 kv heads x 1024 rows x 1024 keys x 128 x 4 FLOPs,
+0.29 TFLOP or 1.5 ms at 197 TFLOP/s, against 0.29 GB or 0.35 ms at 820 GB/s), so at that shape the
+step is bound by the decodes' padded rows, not by HBM. A smaller ``T`` computes less and re-reads more
+(``T = 128``: 72 visits, modelled 1.12x the model's bytes).
 
 A quantized cache (int8, float8_e4m3fn) is read as stored, a byte per entry; each block is widened
 to q's dtype in VMEM (exact), the logits are multiplied by the kv head's scalar-prefetched
@@ -70,7 +90,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tpuattn import chips, softmax
 from tpuattn._checks import positive_int
 from tpuattn.decode.registry import register
-from tpuattn.decode.spec import DecodeSpec, decode_spec_from_shapes, padded_rows
+from tpuattn.decode.spec import DecodeSpec, padded_rows
 from tpuattn.numerics import apply_softcap, first_order_only, matmul_precision
 from tpuattn.options import DecodeKernelOptions
 from tpuattn.options import resolve_interpret as _resolve_interpret
@@ -385,14 +405,12 @@ def resolve_interpret(interpret):
 
 
 def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Geometry,
-             interpret, *, k_scale=None, cache_rows=None) -> list[softmax.Partial]:
+             interpret, *, k_scale=None) -> list[softmax.Partial]:
     """Run the kernel: one :class:`tpuattn.softmax.Partial` per split-K chunk (attention over the
     chunk's keys; ``out [batch, q_len, heads, d]`` float32, ``m, log_l [batch, heads, q_len]``).
 
     ``k_scale`` (float32 ``[kv_heads]``, scalar-prefetched): logits of kv head ``h`` are multiplied by
-    ``k_scale[h]`` (keys ``entry * k_scale``; values' scales are the caller's, after the merge).
-    ``cache_rows`` (int32 ``[batch]``, a contiguous cache): the cache row of each of the kernel's
-    sequences (the ragged form's work items; default: the identity)."""
+    ``k_scale[h]`` (keys ``entry * k_scale``; values' scales are the caller's, after the merge)."""
     b, tq, h, d = q.shape
     hk, g = spec.num_kv_heads, spec.group_size
     rows, hb = geo.rows, geo.heads_per_block
@@ -411,13 +429,10 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     # One K and one V BlockSpec per page of a step: spec j of step (c, i) holds block (c*cs + i)*n + j,
     # clamped into the sequence's useful range (kv_block) so that skipped slots ask for a block already
     # held and issue no DMA.
-    # Scalar-prefetched: lengths, then the flattened page table (paged) or the cache rows (a ragged
-    # batch over a contiguous cache), then the keys' scales.
+    # Scalar-prefetched: lengths, then the flattened page table (paged), then the keys' scales.
     prefetch = [lengths]
     if spec.paged:
         prefetch.append(page_table.reshape(-1))
-    elif cache_rows is not None:
-        prefetch.append(cache_rows)
     if k_scale is not None:
         prefetch.append(k_scale.astype(jnp.float32))
 
@@ -427,7 +442,7 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
             if spec.paged:
                 lead, p = refs[0][bi * pps + p], 0
             else:
-                lead = refs[0][bi] if cache_rows is not None else bi
+                lead = bi
             return (lead, p, 0) if one_head else (lead, p, hg, 0)
         return index
 
@@ -486,106 +501,286 @@ def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *,
     traced): ``block_size`` (contiguous cache rows per block, default 512; refused for a paged cache),
     ``pages_per_step`` (paged cache: pages per grid step, each its own BlockSpec; default 128 rows'
     worth; refused for a contiguous cache), ``chunk_blocks`` (blocks per split-K chunk, rounded up to
-    whole steps; default 2048 positions' worth), ``q_block`` (a ragged batch: queries per work item,
-    default :data:`DEFAULT_Q_BLOCK`; refused for a dense q), ``interpret`` (None: compiled on TPU,
-    interpret mode elsewhere).
+    whole steps; default 2048 positions' worth; refused for a ragged batch, which has no chunks),
+    ``q_block`` (a ragged batch: tokens per token block, default :data:`DEFAULT_TOKEN_BLOCK`, rounded
+    up to q's sublane tile; refused for a dense q), ``interpret`` (None: compiled on TPU, interpret
+    mode elsewhere).
 
     A quantized cache is read as it is stored (one byte an entry): the kernel casts each block's
     entries to q's dtype (exact for int8 and fp8 e4m3) and multiplies the logits by ``k_scale``; the
     values' ``v_scale`` multiplies the merged output (a value is ``entry * v_scale``, and attention is
-    linear in the values). A ragged batch runs as :func:`work_items`."""
+    linear in the values). A ragged batch runs on the token-major grid (:func:`ragged_decode`)."""
     chosen = DecodeKernelOptions.parse(options)
     interpret = resolve_interpret(chosen.interpret)
-    q_block = chosen.q_block
-    if not spec.ragged:
-        if q_block is not None:
-            raise ValueError(f"q_block: queries per work item of a ragged batch (cu_q_lens); expected None "
-                             f"for a dense q, got {q_block!r}")
-        items, kernel_spec, rows = None, spec, None
-        qk, kl, table = q, lengths, page_table
-    else:
-        bq = DEFAULT_Q_BLOCK if q_block is None else q_block
-        bq = min(bq, q.shape[0])
-        items = work_items(cu_q_lens, lengths, q.shape[0], bq, spec.capacity)
-        kernel_spec = _item_spec(spec, items.seq.shape[0], bq)
-        qk = jnp.concatenate([q, jnp.zeros((1, *q.shape[1:]), q.dtype)])[items.rows]  # [W, bq, h, d]
-        kl = items.length
-        table = page_table[items.seq] if spec.paged else None
-        rows = None if spec.paged else items.seq
-    geo = geometry(kernel_spec, chosen.block_size, chosen.chunk_blocks, chosen.pages_per_step)
-    run = functools.partial(partials, spec=kernel_spec, geo=geo, interpret=interpret, k_scale=k_scale,
-                            cache_rows=rows)
-    chunks = first_order_only(run, FORWARD_ONLY)(qk, k_cache, v_cache, kl, table)
+    if spec.ragged:
+        return ragged_decode(q, k_cache, v_cache, lengths, page_table, spec, cu_q_lens, chosen, interpret,
+                             sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    if chosen.q_block is not None:
+        raise ValueError(f"q_block: queries per work item of a ragged batch (cu_q_lens); expected None "
+                         f"for a dense q, got {chosen.q_block!r}")
+    geo = geometry(spec, chosen.block_size, chosen.chunk_blocks, chosen.pages_per_step)
+    run = functools.partial(partials, spec=spec, geo=geo, interpret=interpret, k_scale=k_scale)
+    chunks = first_order_only(run, FORWARD_ONLY)(q, k_cache, v_cache, lengths, page_table)
     if sinks is not None:  # the sinks are one more part of the split-K merge (tpuattn.sinks)
-        b, tq, _, d = qk.shape
+        b, tq, _, d = q.shape
         chunks = [*chunks, sink_partial(sinks, b, tq, d)]
     out = softmax.merge(*chunks).out
     if v_scale is not None:  # [kv_heads] -> each query head of its group
         out = out * jnp.repeat(v_scale.astype(jnp.float32), spec.group_size)[:, None]
-    if items is not None:
-        out = out[items.token_item, items.token_row]
-        out = jnp.where(items.token_live[:, None, None], out, 0.0)
     return out.astype(q.dtype)
 
 
-DEFAULT_Q_BLOCK = 16  # queries per work item of a ragged batch
+# ---------------------------------------------------------------------------- a ragged batch, token-major
+DEFAULT_TOKEN_BLOCK = 256  # flattened tokens per token block of a ragged batch (the q_block option)
+# The fields of a visit (one row each of the scalar-prefetched table [VISIT_FIELDS, visits]).
+VISIT_FIELDS = ("block", "seq", "lo", "hi", "pos", "kv_first", "kv_last", "first", "last", "use")
+_F = {name: i for i, name in enumerate(VISIT_FIELDS)}
 
 
-@dataclasses.dataclass(frozen=True)
-class WorkItems:
-    """A ragged batch as ``W`` dense work items of ``bq`` queries (:func:`work_items`)."""
-
-    seq: jax.Array  # [W] the item's sequence
-    length: jax.Array  # [W] the item's length in the dense form (keys before its last query + 1)
-    rows: jax.Array  # [W, bq] the row of q each query slot reads (total_tokens: a zero row)
-    token_item: jax.Array  # [total_tokens] the item holding each row of q
-    token_row: jax.Array  # [total_tokens] its slot there
-    token_live: jax.Array  # [total_tokens] not padding
+def token_block(q_block, total: int, dtype) -> int:
+    """Tokens per token block: ``q_block`` (default :data:`DEFAULT_TOKEN_BLOCK`), at most the tokens of
+    the call, rounded up to q's sublane tile (8 rows of float32, 16 of a 2-byte dtype) so that the
+    group's query heads stack into one ``[group * T, head_dim]`` operand along whole tiles."""
+    tokens = DEFAULT_TOKEN_BLOCK if q_block is None else q_block
+    return padded_rows(max(1, min(tokens, total)), dtype)
 
 
-def work_items(cu_q_lens, lengths, total: int, bq: int, capacity: int) -> WorkItems:
-    """Cut each sequence's queries into blocks of ``bq`` (its last block partial): the kernel's work.
+def visits(cu_q_lens, lengths, total: int, tokens: int, block: int, capacity: int, left: int | None = None):
+    """The ragged batch's *visits* ``(token block, sequence)``, sorted by token block: ``[fields, V]``
+    int32 (rows named by :data:`VISIT_FIELDS`), ``V = ceil(total / tokens) + batch - 1``, a static bound.
 
-    There are at most ``W = total // bq + min(batch, total)`` blocks, a static bound (the kernel's
-    grid); the ones past the last are empty (length 0: nothing fetched, nothing computed). An item
-    holding the ``c`` queries ``qoff .. qoff + c - 1`` of sequence ``i`` puts them in its *last* ``c``
-    slots and is given the length ``lengths[i] - q_len[i] + qoff + c``: the dense form's rule (slot
-    ``t`` at position ``length - bq + t``, keys before ``length``) then places every query at its own
-    position and lets it see exactly its keys. Slots before them are padding (zero queries), their
-    results dropped. The items are scalar-prefetched through the dense kernel's ``lengths`` and page
-    table (the sequence's row of it), so each item fetches only the blocks its queries can see."""
+    Token block ``i`` holds the flattened tokens ``i * tokens .. (i + 1) * tokens - 1`` and is visited
+    once for each sequence with a token in it (a block holding no live token once, to write its zeros);
+    the visits past the last are empty. Per visit: ``block``; ``seq`` (the cache row of the page table
+    it reads); ``lo``, ``hi`` (the block's rows of that sequence, ``lo <= t < hi``); ``pos`` (row ``t``
+    is the query at position ``t + pos``); ``kv_first``, ``kv_last`` (the cache blocks of ``block``
+    rows some of those queries see; the K/V index maps clamp into them); ``first``, ``last`` (the
+    token block's first and last visit: initialise, finalise); ``use`` (anything to compute). A visit
+    with nothing to compute holds the previous useful visit's sequence and last cache block, so its
+    steps ask for the block the pipeline already holds (no DMA). Works on NumPy and traced arrays."""
+    cu = jnp.asarray(cu_q_lens, jnp.int32)
+    lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, capacity)
     batch = lengths.shape[0]
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    n_items = (q_lens + (bq - 1)) // bq
-    ends = jnp.cumsum(n_items)
-    starts = ends - n_items
-    num = total // bq + min(batch, total)
-    w = jnp.arange(num)
-    seq = jnp.clip(jnp.searchsorted(ends, w, side="right"), 0, batch - 1).astype(jnp.int32)
-    valid = w < ends[-1]
-    qoff = (w - starts[seq]) * bq
-    count = jnp.where(valid, jnp.clip(q_lens[seq] - qoff, 0, bq), 0)
-    length = jnp.where(valid, jnp.clip(lengths[seq] - q_lens[seq] + qoff + count, 0, capacity), 0)
-    t = jnp.arange(bq)[None, :]
-    pad = (bq - count)[:, None]
-    rows = jnp.where(t >= pad, cu_q_lens[seq][:, None] + qoff[:, None] + t - pad, total)
-    # Back: each row of q, from its sequence and offset, to its item and slot.
-    token = jnp.arange(total)
-    tseq = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, batch - 1)
-    offset = token - cu_q_lens[tseq]
-    item = jnp.clip(starts[tseq] + offset // bq, 0, num - 1)
-    row = jnp.clip(bq - count[item] + offset % bq, 0, bq - 1)
-    return WorkItems(seq, length.astype(jnp.int32), rows, item, row, token < cu_q_lens[-1])
+    num_blocks = -(-total // tokens)
+    num = num_blocks + batch - 1
+    # Counting comparisons rather than searchsorted (its loops leave buffers of their own in HBM).
+    below = lambda edges, x: jnp.sum(edges[None, :] <= x[:, None], axis=1, dtype=jnp.int32)
+    # x[i] as a one-hot sum: XLA's gathers here left ~0.3-1 MB of buffers of their own in HBM (v5e).
+    take = lambda x, i: jnp.sum(jnp.where(i[:, None] == jnp.arange(x.shape[0])[None, :], x[None, :], 0),
+                                axis=1, dtype=x.dtype)
+    end = cu[-1]
+    starts = jnp.arange(num_blocks, dtype=jnp.int32) * tokens
+    live = starts < end
+    first_seq = below(cu[1:], starts)  # the sequence holding the block's first token
+    count = jnp.where(live, below(cu[1:], jnp.minimum(starts + tokens, end) - 1) - first_seq + 1, 1)
+    cum = jnp.sum(jnp.where(starts[None, :] <= starts[:, None], count[None, :], 0), axis=1)  # cumsum
+    v = jnp.arange(num, dtype=jnp.int32)
+    blk = jnp.minimum(below(cum, v), num_blocks - 1)
+    k = v - take(cum - count, blk)
+    real = v < jnp.sum(count)
+    seq = jnp.clip(take(first_seq, blk) + k, 0, batch - 1)
+    base = blk * tokens
+    qs, qe = take(cu, seq), take(cu, seq + 1)
+    lo, hi = jnp.clip(qs - base, 0, tokens), jnp.clip(qe - base, 0, tokens)
+    pos = take(lengths, seq) - (qe - qs) + base - qs
+    latest = pos + hi - 1  # the position of the visit's last query (its keys: 0 .. latest)
+    use = real & take(live, blk) & (hi > lo) & (latest >= 0)
+    kv_last = jnp.maximum(latest, 0) // block
+    kv_first = (jnp.zeros_like(kv_last) if left is None
+                else jnp.minimum(jnp.maximum(pos + lo - left, 0) // block, kv_last))
+    # The last useful visit so far (-1: none yet).
+    held = jnp.max(jnp.where(use[None, :] & (v[None, :] <= v[:, None]), v[None, :], -1), axis=1)
+    prev = jnp.maximum(held, 0)
+    keep = lambda x, idle: jnp.where(use, x, jnp.where(held >= 0, idle, 0))
+    seq_k, last_k = keep(seq, take(seq, prev)), keep(kv_last, take(kv_last, prev))
+    fields = dict(block=blk, seq=seq_k, lo=jnp.where(use, lo, 0), hi=jnp.where(use, hi, 0), pos=pos,
+                  kv_first=keep(kv_first, take(kv_last, prev)), kv_last=last_k, first=real & (k == 0),
+                  last=real & (k == take(count, blk) - 1), use=use)
+    return jnp.stack([fields[name].astype(jnp.int32) for name in VISIT_FIELDS])
 
 
-def _item_spec(spec: DecodeSpec, num_items: int, bq: int) -> DecodeSpec:
-    """The dense spec of the work items: ``num_items`` sequences of ``bq`` queries over the same cache."""
-    attn = spec.attention
-    return decode_spec_from_shapes(
-        batch=num_items, q_len=bq, num_q_heads=attn.num_q_heads, num_kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim, capacity=spec.capacity, page_size=spec.page_size, num_pages=spec.num_pages,
-        pages_per_sequence=spec.pages_per_sequence, dtype=attn.dtype, scale=attn.scale,
-        window=attn.window, softcap=attn.softcap, cache_dtype=spec.cache_dtype, scales=spec.scales)
+def _ragged_kernel(*refs, num_visits, num_prefetch, paged, k_scaled, v_scaled, with_sinks, tokens, group,
+                   left, block, per_step, steps, heads, scale, softcap, precision):
+    visits_ref = refs[0]
+    scalars = list(refs[1 + paged:num_prefetch])
+    ks_ref = scalars.pop(0) if k_scaled else None
+    vs_ref = scalars.pop(0) if v_scaled else None
+    sinks_ref = scalars.pop(0) if with_sinks else None
+    refs = refs[num_prefetch:]
+    q_ref, k_refs, v_refs = refs[0], refs[1:1 + per_step], refs[1 + per_step:1 + 2 * per_step]
+    o_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
+    hg, vi, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    field = lambda name: visits_ref[_F[name] * num_visits + vi]
+    rows = group * tokens  # row r = g * tokens + t: query head g of the group, token t of the block
+
+    @pl.when((s == 0) & (field("first") == 1))
+    def _init():
+        if with_sinks:  # the sink is one more logit of value 0: running max z_h, running sum 1
+            r = jax.lax.broadcasted_iota(jnp.int32, (rows, LANES), 0)
+            for h in range(heads):
+                z = jnp.full((rows, LANES), sinks_ref[(hg * heads + h) * group], jnp.float32)
+                for g in range(1, group):
+                    z = jnp.where(r >= g * tokens, sinks_ref[(hg * heads + h) * group + g], z)
+                m_ref[h] = z
+            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def update(p, k_ref, v_ref):
+        key = p * block + jax.lax.broadcasted_iota(jnp.int32, (rows, block), 1)
+        t = _row_position(rows, block, tokens)
+        query = t + field("pos")
+        # Only this visit's sequence's rows; the block's other rows (other sequences, padding) see
+        # nothing here: their logits are -inf, and a row that has seen nothing yet stays m = -inf.
+        keep = (t >= field("lo")) & (t < field("hi")) & (key <= query)
+        if left is not None:
+            keep &= key >= query - left
+        dtype = q_ref.dtype
+        sees = jnp.where(keep, 1.0, 0.0).astype(dtype)
+        if k_ref.dtype != dtype:
+            k_ref, v_ref = _widen(k_ref[...], dtype), _widen(v_ref[...], dtype)
+        for h in range(heads):
+            # The group's query heads stacked on rows (strided loads of the token-major q block).
+            q = jnp.concatenate([q_ref[:, h * group + g, :] for g in range(group)], axis=0)
+            k, v = _head(k_ref, h), _head(v_ref, h)
+            v32 = v.astype(jnp.float32)  # non-finite values: as the dense kernel (_decode_kernel)
+            finite = jnp.abs(v32) < jnp.inf
+            bad = jax.lax.dot(sees, jnp.where(finite, 0.0, 1.0).astype(dtype),
+                              preferred_element_type=jnp.float32)
+            v = jnp.where(finite, v32, 0.0).astype(dtype)
+            sc = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+            sc = sc * (scale * ks_ref[hg * heads + h] if k_scaled else scale)
+            sc = apply_softcap(jnp.where(jnp.abs(sc) < jnp.inf, sc, jnp.nan), softcap)
+            sc = jnp.where(keep, sc, -jnp.inf)
+            m_prev, l_prev = m_ref[h], l_ref[h]
+            m_next = jnp.maximum(m_prev, jnp.max(sc, axis=1, keepdims=True))
+            shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # -inf - -inf: a row that saw nothing
+            e = jnp.exp(sc - shift[:, :1])
+            alpha = jnp.exp(m_prev - shift)
+            l_ref[h] = alpha * l_prev + jnp.sum(e, axis=1, keepdims=True)
+            m_ref[h] = m_next
+            pv = jnp.dot(e.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+            acc_ref[h] = acc_ref[h] * alpha[:, :1] + jnp.where(bad > 0, jnp.nan, pv)
+
+    for j in range(per_step):
+        p = s * per_step + j
+        pl.when((field("use") == 1) & (p >= field("kv_first")) & (p <= field("kv_last")))(
+            functools.partial(update, p, k_refs[j], v_refs[j]))
+
+    @pl.when((s == steps - 1) & (field("last") == 1))
+    def _finish():  # the token block's output, finished, in q's dtype (no partials leave the kernel)
+        for h in range(heads):
+            l_sum = l_ref[h]
+            seen = l_sum != 0
+            out = jnp.where(seen[:, :1], acc_ref[h] / jnp.where(seen, l_sum, 1.0)[:, :1], 0.0)
+            if v_scaled:  # a value is entry * v_scale
+                out = out * vs_ref[hg * heads + h]
+            for g in range(group):
+                o_ref[:, h * group + g, :] = out[g * tokens:(g + 1) * tokens].astype(o_ref.dtype)
+
+
+def ragged_vmem_need_bytes(geo: Geometry, tokens: int, group: int, head_dim: int, q_itemsize: int,
+                           kv_itemsize: int) -> int:
+    """The token-major kernel's VMEM, modelled as :func:`vmem_need_bytes`: K and V blocks and the q and
+    output blocks (double-buffered), the float32 scratch (running max and sum at 128 lanes, the
+    accumulator) and one kv head's temporaries (``[rows, block]`` logits, weights, masks; the stacked
+    q and the float32 update of ``[rows, d]``)."""
+    rows = group * tokens
+    kv = 2 * 2 * geo.per_step * geo.block * geo.heads_per_block * head_dim * kv_itemsize
+    io = 2 * 2 * tokens * geo.heads_per_block * group * head_dim * q_itemsize
+    scratch = 4 * geo.heads_per_block * rows * (2 * LANES + head_dim)
+    temporaries = geo.per_step * (geo.heads_per_block * geo.block * 12 * head_dim
+                                  + rows * (16 * geo.block + 12 * head_dim))
+    return kv + io + scratch + temporaries
+
+
+def ragged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, cu_q_lens,
+                  chosen: DecodeKernelOptions, interpret, *, sinks=None, k_scale=None, v_scale=None):
+    """A ragged batch on a token-major grid ``(kv_head_group, visit, kv_step)``.
+
+    The flattened tokens are cut into token blocks of ``T`` (:func:`token_block`); :func:`visits` lists
+    each block's sequences (scalar-prefetched). A visit's q and output blocks are its token block's
+    ``[T, heads of the group, d]`` (q's own layout: no copy), so the visits of one block keep its
+    output and the running max / sum / accumulator in VMEM: initialised at its first visit (with the
+    sink, if any), each visit adding its sequence's rows over that sequence's useful cache blocks,
+    finalised at its last visit (``v_scale`` applied) and written once, in q's dtype."""
+    if chosen.chunk_blocks is not None:
+        raise ValueError("chunk_blocks: a ragged batch (cu_q_lens) has no split-K chunks (each visit walks "
+                         f"its sequence's cache); expected None, got {chosen.chunk_blocks!r}")
+    total, h, d = q.shape
+    if total == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    hk, group = spec.num_kv_heads, spec.group_size
+    tokens = token_block(chosen.q_block, total, q.dtype)
+    geo = geometry(spec, chosen.block_size, None, chosen.pages_per_step)
+    block, per_step, hb, pps = geo.block, geo.per_step, geo.heads_per_block, geo.num_blocks
+    steps = -(-geo.num_blocks // per_step)
+    table = visits(cu_q_lens, lengths, total, tokens, block, spec.capacity, spec.left)
+    num = table.shape[1]
+    prefetch = [table.reshape(-1)]
+    if spec.paged:
+        prefetch.append(page_table.reshape(-1).astype(jnp.int32))
+    for x in (k_scale, v_scale, sinks):
+        if x is not None:
+            prefetch.append(jnp.asarray(x, jnp.float32).reshape(-1))
+    one_head = hk == 1
+    if one_head:  # as in partials: [..., rows, 1, d] viewed as [..., rows, d] (a bitcast on a TPU)
+        k_cache, v_cache = (c.reshape(*c.shape[:2], d) for c in (k_cache, v_cache))
+    at = lambda name: _F[name] * num
+
+    def kv_map(j):
+        def index(hg, vi, s, visits_ref, *refs):
+            p = jnp.minimum(jnp.maximum(s * per_step + j, visits_ref[at("kv_first") + vi]),
+                            visits_ref[at("kv_last") + vi])
+            seq = visits_ref[at("seq") + vi]
+            if spec.paged:
+                lead, p = refs[0][seq * pps + p], 0
+            else:
+                lead = seq
+            return (lead, p, 0) if one_head else (lead, p, hg, 0)
+        return index
+
+    def token_map(hg, vi, s, visits_ref, *refs):
+        return visits_ref[at("block") + vi], hg, 0
+
+    kv_block_shape = (None, block, d) if one_head else (None, block, hb, d)
+    kv_specs = [pl.BlockSpec(kv_block_shape, kv_map(j)) for j in range(per_step)]
+    qo_spec = pl.BlockSpec((tokens, hb * group, d), token_map)
+    rows = group * tokens
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch), grid=(hk // hb, num, steps),
+        in_specs=[qo_spec, *kv_specs, *kv_specs], out_specs=qo_spec,
+        scratch_shapes=[pltpu.VMEM((hb, rows, LANES), jnp.float32),  # running max
+                        pltpu.VMEM((hb, rows, LANES), jnp.float32),  # running sum
+                        pltpu.VMEM((hb, rows, d), jnp.float32)])  # output accumulator
+    kernel = functools.partial(
+        _ragged_kernel, num_visits=num, num_prefetch=len(prefetch), paged=spec.paged,
+        k_scaled=k_scale is not None, v_scaled=v_scale is not None, with_sinks=sinks is not None,
+        tokens=tokens, group=group, left=spec.left, block=block, per_step=per_step, steps=steps, heads=hb,
+        scale=spec.scale, softcap=spec.softcap, precision=matmul_precision(q.dtype))
+    # An upper bound: every visit reads its sequence's whole capacity once per kv head; q and the
+    # output move once (a token block's visits are consecutive: its blocks stay in VMEM).
+    kv_itemsize, q_itemsize = jnp.dtype(k_cache.dtype).itemsize, jnp.dtype(q.dtype).itemsize
+    positions = num * steps * per_step * block
+    cost = pl.CostEstimate(flops=4 * hk * rows * positions * d, transcendentals=hk * rows * positions,
+                           bytes_accessed=2 * q_itemsize * q.size + kv_itemsize * 2 * positions * hk * d)
+    vmem = None
+    chip = chips.target_chip()
+    if not interpret and chip is not None:
+        want = 3 * ragged_vmem_need_bytes(geo, tokens, group, d, q_itemsize, kv_itemsize) // 2
+        vmem = None if want <= chip.kernel_vmem_bytes else min(want, chip.vmem_bytes)
+
+    def run(q, k_cache, v_cache, *prefetch):
+        return pl.pallas_call(
+            kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+                                                 vmem_limit_bytes=vmem),
+            interpret=interpret, cost_estimate=cost, name="tpuattn_decode_ragged",
+        )(*prefetch, q, *[k_cache] * per_step, *[v_cache] * per_step)
+
+    return first_order_only(run, FORWARD_ONLY)(q, k_cache, v_cache, *prefetch)
 
 
 def pallas_supports(spec: DecodeSpec, backend: str | None = None) -> str | None:
