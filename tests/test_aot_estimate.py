@@ -167,6 +167,32 @@ def test_a_grid_sized_by_an_operand_takes_its_trips_from_it(tmp_path):
     assert estimate.estimate_bundles(path, "v5e", shares, operands=(136,)).cycles == one.cycles
 
 
+# An XLA copy's inner loop over a chunk: its length min(1024 - 80 i, 80) (a compare and a predicated move
+# of the constant), its trips that over 32 (JAX 0.10.2's libtpu, splash's backward at 8K tokens on v5e).
+CHUNK_LOOP = """\
+     0   :  { %s52_s15 = smov 0 }
+   0x1   :  { %s53_s18 = ssub.s32 1024, %s52_s15 }
+   0x2   :  { %p54_p3 = scmp.lt.s32.totalorder (!%p2_p2), %s53_s18, 80 }
+   0x3   :  { %s5293_s18 = smov (!%p54_p3, %s53_s18), 80 }
+   0x4   :  { %s3292_s26 = sshrl.u32 (!%p4_p4), %s5293_s18, 5  ;;  %s3300_s29 = smov 0 }
+   0x5 LB: > { %s3178_s29 = sphi %s3300_s29, %s256_s2 } /* Start region 622 */
+   0x6   : > { %s256_s2 = sadd.s32 1, %s3178_s29 }
+   0x7   : > { %p185_p6 = scmp.ge.s32.totalorder %s256_s2, %s3292_s26 }
+   0x8   : > { %188 = sbr.rel (!%p185_p6) target = $region622 }
+   0x9   :  {}
+"""
+
+
+def test_a_chunk_loop_takes_its_trips_from_the_clamp(tmp_path):
+    path = tmp_path / "copy-01-final_bundles.txt"
+    path.write_text(CHUNK_LOOP)
+    assert estimate.loops(estimate.read(path)) == [(5, 10, 1, 80 >> 5)]  # the idle delay slot counted in
+    # a predicated move whose predicate is not the clamp of the same scalar is not read
+    path.write_text(CHUNK_LOOP.replace("%s53_s18, 80 }", "%s53_s18, 81 }"))
+    with pytest.raises(ValueError, match="no exit test with a constant trip count"):
+        estimate.loops(estimate.read(path))
+
+
 def test_visited_grid_and_splash_weights():
     # 4 x 4 tiles of a causal square visited: 10 steps, all computing, 4 of them partial, 4 rows.
     assert estimate.visited_grid_weights(2048, 512, 512) == estimate.Weights(compute=1.0, partial=4 / 10,

@@ -178,12 +178,24 @@ def _scalar(name: str, definitions: dict, operands: tuple, spills: dict, depth: 
     match = re.match(r"smov (-?\d+|%\w+)\b", text)
     if match:
         return value(match.group(1))
-    match = re.match(r"(sadd\.s32|sshll\.u32|smul\.u32|smul\.s32) (-?\d+|%\w+), (-?\d+|%\w+)", text)
+    # a predicated move of a constant over a scalar (``smov (!%p, %x), 80``, %p testing x < 80): the clamp
+    # of a chunk's length to its most, an upper bound on the loop it sizes
+    match = re.match(r"smov \(!%(\w+), %(\w+)\), (-?\d+)\b", text)
+    if match:
+        test = re.match(r"scmp\.lt\.s32\.totalorder (?:\(!?%\w+\), )?%(\w+), (-?\d+)\b",
+                        definitions.get(match.group(1), ""))
+        if test and test.groups() == (match.group(2), match.group(3)):
+            return int(match.group(3))
+    match = re.match(r"(sadd\.s32|ssub\.s32|sshll\.u32|sshrl\.u32|sand\.u32|smul\.u32|smul\.s32) "
+                     r"(?:\(!?%\w+\), )?(-?\d+|%\w+), (-?\d+|%\w+)", text)
     if match:
         a, b = value(match.group(2)), value(match.group(3))
         if a is None or b is None:
             return None
-        return {"sadd.s32": a + b, "sshll.u32": a << b}.get(match.group(1), a * b)
+        op = match.group(1)
+        if op == "sshrl.u32":  # printed as (value, shift)
+            return a >> b
+        return {"sadd.s32": a + b, "ssub.s32": a - b, "sshll.u32": a << b, "sand.u32": a & b}.get(op, a * b)
     match = re.match(r"inlined_call_operand\.[^\[]*\[shape: s32\[\], index: (\d+)", text)
     if match:
         index = int(match.group(1))
@@ -203,14 +215,8 @@ def loops(bundles: list[Bundle], operands: tuple = ()) -> list[tuple[int, int, i
     ``operands`` (:func:`_scalar`)."""
     found = []
     definitions, spills = None, {}
-    for start, bundle in enumerate(bundles):
-        if not bundle.loop:
-            continue
-        stop = start
-        while stop < len(bundles) and bundles[stop].depth >= bundle.depth:
-            stop += 1
-        exits = [int(m) for b in bundles[start:stop] if b.depth == bundle.depth
-                 for m in _EXIT.findall(b.text)]
+    for start, stop, depth in _loop_spans(bundles):
+        exits = [int(m) for b in bundles[start:stop] if b.depth == depth for m in _EXIT.findall(b.text)]
         if not exits:
             if definitions is None:
                 definitions = _definitions(bundles)
@@ -220,8 +226,21 @@ def loops(bundles: list[Bundle], operands: tuple = ()) -> list[tuple[int, int, i
         if not exits:
             raise ValueError(f"bundles: the loop at bundle {start} has no exit test with a constant "
                              f"trip count")
-        found.append((start, stop, bundle.depth, exits[-1]))
+        found.append((start, stop, depth, exits[-1]))
     return found
+
+
+def _loop_spans(bundles: list[Bundle]) -> list[tuple[int, int, int]]:
+    """``(start, stop, depth)`` of each loop: from its ``LB:`` bundle on, the bundles at its depth or
+    deeper."""
+    spans = []
+    for start, bundle in enumerate(bundles):
+        if bundle.loop:
+            stop = start
+            while stop < len(bundles) and bundles[stop].depth >= bundle.depth:
+                stop += 1
+            spans.append((start, stop, bundle.depth))
+    return spans
 
 
 def _dynamic_exit(bundles, start, stop, definitions, operands, spills) -> list[int]:
@@ -308,11 +327,7 @@ def estimate_bundles(path: str | os.PathLike, chip: str, weights: Weights | None
     bandwidth = chips.get(chip).per_device()["hbm_bandwidth"]
     bundles = read(path)
     found_loops = loops(bundles, operands)
-    if isinstance(weights, GridShares):  # which grid the compiler made: every tile's or the visited ones'
-        grid = next(((s, e) for s, e, depth, _t in found_loops if depth == 1), None)
-        sized = grid is not None and not any(_EXIT.search(b.text) for b in bundles[grid[0]:grid[1]]
-                                             if b.depth == 1)
-        weights = weights.visited if sized else weights.full
+    weights = _grid_weights(bundles, found_loops, weights)
     found = regions(bundles, weights)
     per_bundle = _frequencies(bundles, found)
     times = [1.0] * len(bundles)
@@ -348,6 +363,17 @@ def estimate_bundles(path: str | os.PathLike, chip: str, weights: Weights | None
     seconds = compute_s + stall_s + outside / bandwidth
     return Computation(name or Path(path).name, kind, len(bundles), tuple(t for *_, t in found_loops), cycles,
                        compute_s, dma_bytes, seconds, tuple(found))
+
+
+def _grid_weights(bundles: list[Bundle], found_loops, weights):
+    """``weights``, or for :class:`GridShares` the shares of the grid the compiler made: the visited tiles'
+    where the grid loop's trip count is not a constant (an operand's), else every tile's."""
+    if not isinstance(weights, GridShares):
+        return weights
+    grid = next(((s, e) for s, e, depth, _t in found_loops if depth == 1), None)
+    sized = grid is not None and not any(_EXIT.search(b.text) for b in bundles[grid[0]:grid[1]]
+                                         if b.depth == 1)
+    return weights.visited if sized else weights.full
 
 
 def _copied_bytes(text: str) -> float:
@@ -639,9 +665,9 @@ def split_branches(out, result: Estimate, chip: str, weights: dict,
     partial tiles' share and its sibling on the rest, as :func:`regions` weighs them where a computing
     branch encloses them; the estimate's other terms are kept."""
     clock, _ = chips.estimate_clock(chip)
-    fixed, names = [], []
+    fixed, names, read_files = [], [], {}
     for c in result.computations:
-        named = c.name in (weights if kernels is None else kernels)
+        named = weights.get(c.name) is not None if kernels is None else c.name in kernels
         w = weights.get(c.name) if c.kind == "pallas" and named else None
         computes = [r for r in c.regions if r.kind == "compute" and r.vmatmul]
         apart = len(computes) == 2 and (computes[0].stop <= computes[1].start
@@ -649,14 +675,18 @@ def split_branches(out, result: Estimate, chip: str, weights: dict,
         if w is None or not apart or any(r.kind in ("partial", "unmasked") for r in c.regions):
             fixed.append(c)
             continue
-        bundles = read(static.bundle_file(out, c.name))
+        if c.name not in read_files:
+            read_files[c.name] = read(static.bundle_file(out, c.name))
+        bundles = read_files[c.name]
+        found_loops = [(*span, t) for span, t in zip(_loop_spans(bundles), c.trips, strict=True)]
+        w = _grid_weights(bundles, found_loops, w)
         most = max(r.mask_ops for r in computes)
         masked = dict(kind="partial", frequency=w.partial)
         unmasked = dict(kind="unmasked", frequency=w.compute - w.partial)
         found = [r if r not in computes else
                  dataclasses.replace(r, **(masked if r.mask_ops == most else unmasked)) for r in c.regions]
         times = [1.0] * len(bundles)
-        for start, stop, _depth, trips in loops(bundles):
+        for start, stop, _depth, trips in found_loops:
             for index in range(start, stop):
                 times[index] *= trips
         per_bundle = _frequencies(bundles, found)
@@ -677,7 +707,8 @@ def estimate_with_counts(code: str, chip: str, weights, *, split=None,
     counts (:func:`tpuattn.measure.static.kernel_static`: loop bundles, vmatmul, vector-ALU and EUP
     instructions of one grid step) from the same dump. ``weights`` may be a function of the dump folder
     (a kernel whose blocks the dump names); ``split``: the kernels whose branches
-    :func:`split_branches` weighs apart (named ``"branches split"`` in the counts)."""
+    :func:`split_branches` weighs apart (True: every kernel ``weights`` weighs; named ``"branches
+    split"`` in the counts)."""
     with tempfile.TemporaryDirectory(prefix="tpuattn_estimate_") as scratch:
         # a longer wait than the dump's default: the GQA backward's compile outlasts 300 s on a shared machine
         dump(code, chip, scratch, timeout=timeout)
@@ -685,7 +716,7 @@ def estimate_with_counts(code: str, chip: str, weights, *, split=None,
         result = estimate_dump(scratch, chip, weights)
         names = []
         if split:
-            result, names = split_branches(scratch, result, chip, weights, split)
+            result, names = split_branches(scratch, result, chip, weights, None if split is True else split)
         counts = {"branches split": names} if names else {}
         for name in static.kernel_names(scratch):
             try:
