@@ -259,3 +259,61 @@ def test_fuzz_ragged_batches(seed):
                                **scales, **options)
         np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-5, rtol=2e-5,
                                    err_msg=f"{impl} {options}")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_visits_cover_each_token_block_once_per_sequence_within_the_static_bound(seed):
+    """The token-major kernel's visit table (kernel.visits) against a plain enumeration: every (token
+    block, sequence) with a query of the sequence in the block is one useful visit, in block order, with
+    the block's rows of that sequence, their first position and the cache blocks they see; each block has
+    one first and one last visit (a block of padding only: one visit, nothing to compute); the table's
+    size is the static bound ceil(total / T) + batch - 1; a visit with nothing to compute asks for the
+    sequence and cache block of the last useful visit (no new DMA)."""
+    from tpuattn.decode import kernel
+
+    rng = np.random.default_rng(seed)
+    b, tokens, block, capacity = int(rng.integers(1, 7)), 8, 4, 32
+    lengths = rng.integers(0, capacity + 1, b)
+    q_lens = np.minimum(rng.integers(0, 20, b), lengths + 3)
+    q_lens[rng.integers(b)] = 0
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    total = int(cu[-1]) + int(rng.integers(0, 12)) + 1
+    left = None if seed == 0 else int(rng.integers(0, 9))
+    table = np.asarray(kernel.visits(cu, lengths, total, tokens, block, capacity, left))
+    f = {name: table[i] for i, name in enumerate(kernel.VISIT_FIELDS)}
+    num_blocks = -(-total // tokens)
+    assert table.shape == (len(kernel.VISIT_FIELDS), num_blocks + b - 1)
+    want = []  # (block, seq, lo, hi, first position, first cache block, last cache block)
+    for i in range(num_blocks):
+        for s in range(b):
+            rows = [t for t in range(tokens) if cu[s] <= i * tokens + t < cu[s + 1]]
+            positions = [lengths[s] - q_lens[s] + i * tokens + t - cu[s] for t in rows]
+            if rows and positions[-1] >= 0:
+                first = 0 if left is None else max(positions[0] - left, 0) // block
+                want.append((i, s, rows[0], rows[-1] + 1, positions[0], first, positions[-1] // block))
+    use = f["use"] == 1
+    got = [(f["block"][v], f["seq"][v], f["lo"][v], f["hi"][v], f["pos"][v] + f["lo"][v], f["kv_first"][v],
+            f["kv_last"][v]) for v in np.flatnonzero(use)]
+    assert got == want
+    assert np.all(np.diff(f["block"]) >= 0)
+    for i in range(num_blocks):  # first at the block's first visit, last at its last (then padding)
+        mine = np.flatnonzero(f["block"] == i)
+        end = mine[0] + int(np.flatnonzero(f["last"][mine])[0]) + 1
+        assert f["first"][mine].sum() == 1 and f["last"][mine].sum() == 1 and f["first"][mine[0]] == 1
+        assert i == num_blocks - 1 or end == mine[-1] + 1
+        assert not np.any(table[kernel.VISIT_FIELDS.index("first"):, end:mine[-1] + 1])
+    held = None
+    for v in range(table.shape[1]):
+        if use[v]:
+            held = (f["seq"][v], f["kv_last"][v])
+        elif held is not None:
+            assert (f["seq"][v], f["kv_first"][v], f["kv_last"][v]) == (held[0], held[1], held[1])
+
+
+def test_a_ragged_batch_has_no_split_k_chunks():
+    args = _good()
+    with pytest.raises(ValueError, match=re.escape(
+            "chunk_blocks: a ragged batch (cu_q_lens) has no split-K chunks (each visit walks its sequence's "
+            "cache); expected None, got 2")):
+        decode.attention(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("lengths"),
+                         impl="pallas", chunk_blocks=2, **args)
