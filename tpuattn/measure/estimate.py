@@ -9,7 +9,9 @@ kernel):
 
 * **loops**: a bundle inside a loop runs once per trip; the trip count is the constant of the loop's
   exit test (``scmp.ge ... N /* loop exit test */``; a Pallas grid is one loop of its steps plus the
-  pipeline's warm-up and drain trips, counted as full trips);
+  pipeline's warm-up and drain trips, counted as full trips) or, where the branch back tests a scalar,
+  that scalar read back through the bundles to constants and the call's constant operands (tokamax's
+  grid over the visited tiles) or to a chunk's clamp (an XLA copy's chunk loop: its most);
 * **branches**: a ``sbr.rel`` skips the bundles up to its target region. In a Pallas kernel's grid loop
   the skipped region is weighed by how often the grid runs it (:class:`Weights`): a region that waits
   for the pipeline's DMAs on every step (``pipeline-emitter-dma-wait``), a region with ``vmatmul`` on the
@@ -26,6 +28,10 @@ kernel):
   results in HBM (not those placed in VMEM, ``S(1)`` in their layout) over the bandwidth (the
   roofline of its bytes);
 * the bundles outside loops (prologue, epilogue) once.
+
+Each program is compiled for the chip's JAX device (:func:`device_code`: v4's is the megacore chip, as
+:mod:`tpuattn.chips` models it). The bundle reading the tuner and the side-by-side table use is here too:
+:func:`split_branches`, :func:`splash_weights`, :func:`tokamax_weights`, :func:`estimate_with_counts`.
 
 Nothing is run or timed and nothing is fitted to a measurement: the numbers are the compiler's output,
 the chip's clock and its published HBM bandwidth.
