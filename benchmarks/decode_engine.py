@@ -1,6 +1,7 @@
 """A serving engine's attention step compiled for TPU v5e and v6e (compiled, not run), side by side.
 
-The package's split-K decode kernel (``tpuattn.decode.attention(..., impl="pallas")``) and JAX's ragged
+The package's decode kernel (``tpuattn.decode.attention(..., impl="pallas")``: split-K over the cache
+for the dense serving batch, the token-major grid for the ragged mixed batch) and JAX's ragged
 paged attention kernel (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, its cache in its own
 layout, its tuned block sizes for the chip) at notebook 07's serving batch (8 sequences, 1 new token
 each) and a mixed batch (4 prefill chunks of 256 tokens beside 60 single-token decodes), 32 query heads

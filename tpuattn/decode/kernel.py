@@ -61,9 +61,11 @@ against its sequence's blocks (a decode's visit: 1 useful token of 256), while a
 tokens reads its cache about ``ceil(n / T)`` times and the visit bound counts ``ceil(total / T)``
 blocks. At ``tpuattn.measure.aot``'s mixed batch (4 chunks of 256 beside 60 decodes, 16 pages of 64
 rows, 32 query heads on 8 kv heads of 128) ``T = 256`` gives 68 visits for 64 sequences, and the
-compiled program (v5e and v6e, bfloat16 cache, compiled, not run) accesses 1.07x the decode model's
-bytes (``book/decode-engine.md``); its FLOPs are the visits' full blocks, about 4x what the cache's
-bytes take at v5e's peak (modelled: 68 visits x 8 kv heads x 1024 rows x 1024 keys x 128 x 4 FLOPs,
+compiled program (v5e and v6e, every cache, compiled, not run) accesses 1.06x the decode model's
+bytes (``book/decode-engine.md``), and its peak HBM is the arguments and the output plus 0.35 MB
+(v5e) or 0.39 MB (v6e) of XLA temporaries around the visit table, that much above JAX's ragged
+kernel's. Its FLOPs are the visits' full blocks, about 4x what the bfloat16 cache's bytes take at
+v5e's peaks (modelled: 68 visits x 8 kv heads x 1024 rows x 1024 keys x 128 x 4 FLOPs,
 0.29 TFLOP or 1.5 ms at 197 TFLOP/s, against 0.29 GB or 0.35 ms at 820 GB/s), so at that shape the
 step is bound by the decodes' padded rows, not by HBM. A smaller ``T`` computes less and re-reads more
 (``T = 128``: 72 visits, modelled 1.12x the model's bytes).

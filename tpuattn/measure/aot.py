@@ -714,7 +714,8 @@ def main(argv=None) -> list:
 
 # ---------------------------------------------------------------------------- decode engines compiled
 # One serving step of an inference engine compiled for a TPU chip (compiled, not run): the package's
-# split-K decode kernel (``tpuattn.decode.attention(..., impl="pallas")``) beside JAX's ragged paged
+# decode kernel (``tpuattn.decode.attention(..., impl="pallas")``: split-K for the dense serving batch,
+# token-major for the ragged mixed batch) beside JAX's ragged paged
 # attention kernel (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, called directly with the
 # cache in its own layout: K and V interleaved per page, ``[pages, page, 2 * kv_heads, head_dim]``, and
 # its block sizes tuned per chip) at the same shapes, with full-width and quantized caches.
