@@ -108,6 +108,24 @@ def test_pallas_compiles_every_option_with_all_kv_heads_in_a_block(dtype):
         assert facts["custom_calls"] >= 1 and facts["peak_hbm_bytes"] > 0
 
 
+@pytest.mark.parametrize("cache_dtype,total,q_block", [("int8", 5, None), ("bfloat16", 40, 16)])
+def test_pallas_compiles_a_ragged_batch_with_every_option(cache_dtype, total, q_block):
+    # The token-major ragged path with sinks (in the kernel), a window, a soft-cap and k/v scales, head_dim
+    # 64 with both kv heads in a block: 5 tokens in one token block larger than q (the default 256, cut to
+    # q's sublane tile: 16 rows), and 40 tokens in three blocks of 16 (the last partial).
+    def fn(q, k, v, lengths, table, cu, sinks, k_scale, v_scale):
+        return decode.attention(q, k, v, lengths, page_table=table, cu_q_lens=cu, impl="pallas", window=40,
+                                softcap=20.0, sinks=sinks, k_scale=k_scale, v_scale=v_scale, q_block=q_block)
+
+    cache = jax.ShapeDtypeStruct((32, 32, 2, 64), jnp.dtype(cache_dtype))
+    args = [jax.ShapeDtypeStruct((total, 8, 64), jnp.bfloat16), cache, cache,
+            jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4, 8), jnp.int32),
+            jax.ShapeDtypeStruct((5,), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.float32),
+            jax.ShapeDtypeStruct((2,), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.float32)]
+    facts = aot.compiled_facts(aot.compile_for("v5e", fn, args))
+    assert facts["custom_calls"] >= 1 and facts["peak_hbm_bytes"] > 0
+
+
 # ---------------------------------------------------------------------------- the cache read in place
 # The split-K kernel must read K and V where they lie: the optimised program hands the cache parameters
 # to the Mosaic kernel unchanged (through bitcasts at most), and nothing outside the kernel makes a
@@ -222,20 +240,32 @@ def test_pallas_compiles_large_pages_of_wide_heads(dtype, page, head_dim, monkey
 # accessed stay within 1.1x the decode model's (every sequence's cache full: the compiler cannot know
 # the lengths), and its peak HBM at most JAX's kernel's where both compile. JAX's kernel passes no cost
 # estimate to Pallas, so XLA's bytes accessed count none of its traffic: the engines compare by peak HBM.
-# Over the bounds when first compiled (JAX 0.10.2, libtpu 0.0.42.1, benchmarks/decode_engine.py; the
-# split-K kernel's ragged and quantized paths of 2797e87): bytes accessed 1.17x the model with a one-byte
-# cache at the serving batch; at the mixed batch 3.9x (v5e) and 4.4x (v6e) with bfloat16, 8.3x and 8.0x
-# with int8 or fp8, and peak HBM above JAX's kernel's (v6e bfloat16 355.7 MB against 286.2 MB; int8 and
-# fp8 204.1 and 221.8 MB against 152.0 MB). Strict: a case that comes within the bounds fails here until
-# its mark is removed.
+# Over the bounds (JAX 0.10.2, libtpu 0.0.42.1, benchmarks/decode_engine.py): at the serving batch the
+# split-K kernel's bytes accessed are 1.17x the model with a one-byte cache (its partials and merge; the
+# dense path of 2797e87). At the mixed batch the token-major ragged kernel accesses 1.06x the model with
+# every cache on both chips, but its peak HBM is above JAX's kernel's by the XLA temporaries of its visit
+# table (0.35 MB on v5e, 0.39 MB on v6e): 286.6 MB against 286.2 MB (v6e, bfloat16), 152.3 / 152.4 MB
+# against 152.0 MB (int8 and fp8). On v5e with a bfloat16 cache JAX's kernel does not compile (scoped
+# VMEM), so only the bytes are held there, and that case passes. Strict: a case that comes within the
+# bounds fails here until its mark is removed. Keys: (shape, cache dtype) on every chip, or (chip, shape,
+# cache dtype).
+_PEAK = "peak HBM above JAX's kernel's by the visit table's temporaries ({} MB)"
 OVER_THE_BOUNDS = {("serve", "int8"): "bytes accessed 1.17x the model",
                    ("serve", "float8_e4m3fn"): "bytes accessed 1.17x the model",
-                   ("mixed", "bfloat16"): "bytes accessed 3.9-4.4x the model, peak HBM above JAX's",
-                   ("mixed", "int8"): "bytes accessed 8.0-8.3x the model, peak HBM above JAX's",
-                   ("mixed", "float8_e4m3fn"): "bytes accessed 8.0-8.3x the model, peak HBM above JAX's"}
+                   ("v5e", "mixed", "int8"): _PEAK.format(0.35),
+                   ("v5e", "mixed", "float8_e4m3fn"): _PEAK.format(0.35),
+                   ("v6e", "mixed", "bfloat16"): _PEAK.format(0.39),
+                   ("v6e", "mixed", "int8"): _PEAK.format(0.39),
+                   ("v6e", "mixed", "float8_e4m3fn"): _PEAK.format(0.39)}
+
+
+def _over(chip: str, shape: str, cache_dtype: str) -> str | None:
+    return OVER_THE_BOUNDS.get((shape, cache_dtype)) or OVER_THE_BOUNDS.get((chip, shape, cache_dtype))
+
+
 ENGINE_CASES = [pytest.param(chip, shape, cache_dtype, marks=[pytest.mark.xfail(
-                    strict=True, reason=f"the split-K kernel: {OVER_THE_BOUNDS[shape, cache_dtype]}")]
-                    if (shape, cache_dtype) in OVER_THE_BOUNDS else [])
+                    strict=True, reason=f"the decode kernel: {_over(chip, shape, cache_dtype)}")]
+                    if _over(chip, shape, cache_dtype) else [])
                 for chip in CHIPS for shape in aot.DECODE_ENGINE_SHAPES
                 for cache_dtype in aot.DECODE_CACHE_DTYPES]
 
