@@ -217,3 +217,18 @@ def test_v4_compiles_for_its_megacore_device():
     described = topologies.get_topology_desc(topology_name=chips.get("v4").topology, platform="tpu",
                                              **estimate.TOPOLOGY_OPTIONS["v4"])
     assert len(described.devices) == 4 and described.devices[0].num_cores == 2
+
+
+def test_each_published_run_compiles_the_program_its_source_ran():
+    # axlearn's 261.7b-layer times (apple/axlearn 6789f847, tpu_attention_benchmark.py) were printed by a
+    # benchmark that passes a dense [batch, heads, T, T] bias to JAX's Pallas flash_attention (ab=) and to
+    # its mha_reference; marin's rows ran splash, jax-ml/jax#24633 flash_attention without a bias.
+    from tpuattn.model import published, validation
+
+    for run in published.RUNS:
+        what, code, _ = validation.program(run)
+        if run.source.startswith("apple/axlearn"):
+            assert "bias" in what and f"({run.batch}, {run.heads}, {run.seq_len}, {run.seq_len})" in code
+            assert ("ab=bias" in code) == (run.impl != "reference")
+        elif run.source.startswith("marin"):
+            assert "splash_attention" in code and "bias" not in code

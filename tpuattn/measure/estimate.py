@@ -589,6 +589,49 @@ ARGS = [jax.ShapeDtypeStruct(({batch}, {seq_len}, {heads}, {head_dim}), jnp.{dty
 """
 
 
+# apple/axlearn at 6789f847 (2023-10-18), the commit whose tpu_attention_benchmark.py printed the 261.7b
+# layer's times: a dense bf16 bias [batch, heads, T, T] passed to both programs; the flash one is
+# axlearn's tpu_attention.flash_attention (query scaled outside, heads-first einsums, JAX's Pallas
+# flash_attention with ab=bias at block_size 512 everywhere), the reference utils.mha_reference under
+# jax.default_matmul_precision("bfloat16"); "bwd" is jax.grad of the output's mean for q, k and v.
+AXLEARN_FLASH_CODE = """
+import jax, jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import flash_attention as fa
+b = {block}
+blocks = fa.BlockSizes(block_q=b, block_k_major=b, block_k=b, block_b=1, block_q_major_dkv=b,
+                       block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=b, block_k_major_dq=b, block_k_dq=b,
+                       block_q_dq=b)
+def attend(q, k, v, bias):
+    q = q * {head_dim} ** -0.5
+    q, k, v = (jnp.einsum("btnh->bnth", x) for x in (q, k, v))
+    out = fa.flash_attention(q, k, v, ab=bias, causal={causal}, sm_scale=1.0, block_sizes=blocks)
+    return jnp.einsum("bnth->btnh", out)
+def FN(q, k, v, bias):
+    if {backward}:
+        return jax.grad(lambda q, k, v, b: attend(q, k, v, b).mean(), argnums=(0, 1, 2))(q, k, v, bias)
+    return attend(q, k, v, bias)
+ARGS = [jax.ShapeDtypeStruct(({batch}, {seq_len}, {heads}, {head_dim}), jnp.{dtype})] * 3 + [
+    jax.ShapeDtypeStruct(({batch}, {heads}, {seq_len}, {seq_len}), jnp.{dtype})]
+"""
+
+AXLEARN_REFERENCE_CODE = """
+import jax, jax.numpy as jnp
+@jax.default_matmul_precision("bfloat16")
+def FN(q, k, v, bias):
+    q = q * {head_dim} ** -0.5
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k)
+    logits += bias.astype(logits.dtype)
+    if {causal}:
+        rows = jax.lax.broadcasted_iota(jnp.int32, ({seq_len}, {seq_len}), 0)
+        cols = jax.lax.broadcasted_iota(jnp.int32, ({seq_len}, {seq_len}), 1)
+        logits = jnp.where((rows < cols)[None, None], -1e30, logits)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+ARGS = [jax.ShapeDtypeStruct(({batch}, {seq_len}, {heads}, {head_dim}), jnp.{dtype})] * 3 + [
+    jax.ShapeDtypeStruct(({batch}, {heads}, {seq_len}, {seq_len}), jnp.{dtype})]
+"""
+
+
 def tile_weights(seq_len: int, block: int, causal: bool) -> Weights:
     """A square problem's grid shares (:class:`Weights`) from the package's tile codes
     (:meth:`tpuattn.spec.MaskSpec.block_map`: EMPTY tiles skipped, PARTIAL masked)."""

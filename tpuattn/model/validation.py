@@ -1,10 +1,12 @@
 """The compiled static estimate (:mod:`tpuattn.measure.estimate`) against every published TPU measurement
 (:mod:`tpuattn.model.published`), beside the roofline (:mod:`tpuattn.model.roofline`).
 
-For each run the program it measured is compiled for its chip with libtpu's dumps: JAX's splash kernel
-for the splash rows (marin, axlearn), JAX's Pallas ``flash_attention`` for jax-ml/jax#24633 (the kernel
-that issue timed), plain XLA softmax attention for the reference rows. Nothing here is fitted to the
-measured times: the estimate reads the compiler's bundles, the chips' clocks and HBM bandwidths.
+For each run the program it measured is compiled for its chip's JAX device with libtpu's dumps: JAX's
+splash kernel for marin's rows, JAX's Pallas ``flash_attention`` for jax-ml/jax#24633 (the kernel that
+issue timed), plain XLA softmax attention for the reference rows, and for axlearn's benchmark the two
+programs its 2023 source ran (:data:`tpuattn.measure.estimate.AXLEARN_FLASH_CODE`: Pallas
+``flash_attention`` with a dense bias; its ``mha_reference`` with the same bias). Nothing here is fitted
+to the measured times: the estimate reads the compiler's bundles, the chips' clocks and HBM bandwidths.
 
 ``python -m tpuattn.aot --estimate-validate`` prints the table (:func:`main`).
 """
@@ -42,6 +44,13 @@ def program(run: published.PublishedRun) -> tuple[str, str, dict]:
     """``(what, code, weights)``: the child's source for the program ``run`` measured."""
     shape = dict(batch=run.batch, heads=run.heads, seq_len=run.seq_len, head_dim=run.head_dim,
                  dtype=run.dtype)
+    if run.source.startswith("apple/axlearn"):  # its 2023 benchmark: a dense bias, Pallas flash_attention
+        fields = dict(causal=run.causal, **shape)
+        if run.impl == "reference":
+            return "axlearn mha_reference, bias", estimate.AXLEARN_REFERENCE_CODE.format(**fields), {}
+        code = estimate.AXLEARN_FLASH_CODE.format(block=run.block, backward=run.mode == "fwd+bwd", **fields)
+        weights = estimate.EveryKernel(estimate.tile_weights(run.seq_len, run.block, run.causal))
+        return f"flash_attention+bias, block {run.block}", code, weights
     if run.impl == "reference":
         precision = "" if run.precision == "default" else ", precision='highest'"
         code = estimate.XLA_CODE.format(causal=run.causal, backward=run.mode == "fwd+bwd",
