@@ -674,13 +674,17 @@ def _ragged_kernel(*refs, num_visits, num_prefetch, paged, k_scaled, v_scaled, w
     @pl.when((s == steps - 1) & (field("last") == 1))
     def _finish():  # the token block's output, finished, in q's dtype (no partials leave the kernel)
         for h in range(heads):
-            l_sum = l_ref[h]
-            seen = l_sum != 0
-            out = jnp.where(seen[:, :1], acc_ref[h] / jnp.where(seen, l_sum, 1.0)[:, :1], 0.0)
-            if v_scaled:  # a value is entry * v_scale
-                out = out * vs_ref[hg * heads + h]
             for g in range(group):
-                o_ref[:, h * group + g, :] = out[g * tokens:(g + 1) * tokens].astype(o_ref.dtype)
+                rows = pl.ds(g * tokens, tokens)
+                l_sum = l_ref[h, rows, :]
+                seen = l_sum != 0
+                out = jnp.where(seen[:, :1], acc_ref[h, rows, :] / jnp.where(seen, l_sum, 1.0)[:, :1], 0.0)
+                if v_scaled:  # a value is entry * v_scale
+                    out = out * vs_ref[hg * heads + h]
+                # One head of the block, [T, 1, d], made by a float32 broadcast: JAX 0.7.2's Mosaic cannot
+                # reshape a bfloat16 [T, d] to [T, 1, d] (what o_ref[:, j, :] = x lowers to).
+                out = jnp.broadcast_to(out[:, None, :], (tokens, 1, out.shape[-1]))
+                o_ref[:, pl.ds(h * group + g, 1), :] = out.astype(o_ref.dtype)
 
 
 def ragged_vmem_need_bytes(geo: Geometry, tokens: int, group: int, head_dim: int, q_itemsize: int,
