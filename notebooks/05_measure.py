@@ -484,7 +484,7 @@ style.close(fig)
 # over the bandwidth where copies dominate: a time labelled **compiled (static estimate, not run)**.
 # Below, two of the published runs: the program each measured, compiled here for its chip, beside its
 # measured time and the roofline. [A time from the compiler](../book/estimate.md) holds all twelve
-# (8 within 0.67-1.5x of the measured time, the roofline 3) and explains each miss from the dump.
+# (9 within 0.67-1.5x of the measured time, the roofline 3) and explains each miss from the dump.
 # The CPU timings of section 2 are another machine's: they stay in their own table.
 
 # %%
