@@ -469,7 +469,7 @@ def test_decode_kernel_geometry_reads_its_sizes_through_the_record():
 @pytest.mark.parametrize("paged,ragged,kwargs", [
     (True, False, dict(chunk_blocks=1, pages_per_step=2, interpret=True)),
     (False, False, dict(block_size=8, chunk_blocks=np.int64(2))),
-    (True, True, dict(q_block=2, chunk_blocks=3, pages_per_step=1)),
+    (True, True, dict(q_block=2, pages_per_step=1)),
     (False, True, dict(q_block=4, block_size=16)),
 ])
 def test_decode_pallas_with_options_equals_the_reference(paged, ragged, kwargs):

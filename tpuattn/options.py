@@ -397,10 +397,11 @@ _DECODE_KERNEL = "tpuattn.decode.attention(impl='pallas')"
 
 @dataclasses.dataclass(frozen=True)
 class DecodeKernelOptions(Options):
-    """The split-K decode kernel (``tpuattn.decode``'s ``pallas``, :mod:`tpuattn.decode.kernel`):
-    ``block_size`` (a contiguous cache's rows per block; a paged cache's block is its page),
-    ``chunk_blocks`` (blocks per split-K chunk), ``pages_per_step`` (pages one grid step fetches, paged
-    caches), ``q_block`` (a ragged batch's queries per work item), each a positive int, and
+    """The decode kernel (``tpuattn.decode``'s ``pallas``, :mod:`tpuattn.decode.kernel`: split-K over
+    the cache for a dense q, token-major for a ragged batch): ``block_size`` (a contiguous cache's rows
+    per block; a paged cache's block is its page), ``chunk_blocks`` (blocks per split-K chunk, a dense
+    q), ``pages_per_step`` (pages one grid step fetches, paged caches), ``q_block`` (a ragged batch's
+    flattened tokens per block of the token-major grid), each a positive int, and
     ``interpret`` (None, True or False). Which of them a call may set depends on its cache and its q
     (``block_size`` a contiguous cache, ``pages_per_step`` a paged one, ``q_block`` a ragged batch): the
     kernel checks that against the call's spec."""

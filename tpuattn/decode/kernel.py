@@ -794,6 +794,7 @@ def pallas_supports(spec: DecodeSpec, backend: str | None = None) -> str | None:
 
 
 register("pallas", pallas_decode,
-         description="split-K (flash-decoding) Pallas TPU kernel, scalar-prefetched lengths/page table",
+         description="Pallas TPU kernel: split-K (flash-decoding) for a dense q, token-major for a ragged "
+                     "batch; scalar-prefetched lengths/page table",
          supports=pallas_supports, auto_rank=lambda spec, backend: 0.0 if backend == "tpu" else None,
          interpreted_off_tpu=True, options=OPTIONS, takes_sinks=True, takes_ragged=True, takes_scales=True)
