@@ -208,15 +208,21 @@ def test_v4_compiles_for_its_megacore_device():
     # A v4 JAX device is the chip, its two TensorCores one megacore device (tpuattn.chips: megacore, a
     # device's share of the chip 1); libtpu describes that device when asked for the megacore chip
     # configuration, four devices of two cores for the 2x2x1 slice.
-    from jax.experimental import topologies
+    from tpuattn.measure import aot
 
     assert chips.get("v4").megacore and chips.get("v4").per_device()["hbm_bandwidth"] == 1.23e12
     code = estimate.device_code("FN = None\nARGS = []\n", "v4")
-    assert "chip_config_name" in code and code.endswith("FN = None\nARGS = []\n")
+    assert "aot.describe_topology" in code and "chip_config_name" in code
+    assert code.endswith("FN = None\nARGS = []\n")
     assert estimate.device_code("FN = None", "v5p") == "FN = None"  # v5p's devices are megacore already
-    described = topologies.get_topology_desc(topology_name=chips.get("v4").topology, platform="tpu",
-                                             **estimate.TOPOLOGY_OPTIONS["v4"])
-    assert len(described.devices) == 4 and described.devices[0].num_cores == 2
+    name = chips.get("v4").topology
+    try:
+        described = aot.describe_topology(name, **estimate.TOPOLOGY_OPTIONS["v4"])
+        assert len(described.devices) == 4 and described.devices[0].num_cores == 2
+        assert aot.topology_device(chips.get("v4")) is described.devices[0]  # what compile_for uses
+    finally:  # the rest of this process compiles for libtpu's default description, as before
+        default = aot.describe_topology(name)
+    assert len(default.devices) == 8
 
 
 def test_each_published_run_compiles_the_program_its_source_ran():

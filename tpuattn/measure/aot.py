@@ -141,15 +141,23 @@ _UNKNOWN_TOPOLOGIES: set = set()  # names the installed compiler refused: asked 
 
 
 def _topology(name: str):
+    if name not in _TOPOLOGIES:
+        describe_topology(name)
+    return _TOPOLOGIES[name]
+
+
+def describe_topology(name: str, **options):
+    """Describe the compile-only topology ``name`` with libtpu's ``options`` (for example
+    ``chip_config_name="megacore"``, see :data:`tpuattn.measure.estimate.TOPOLOGY_OPTIONS`) and make it
+    the one this process compiles for under that name (:func:`compile_for`, :func:`topology_device`)."""
     from jax.experimental import topologies
 
     from tpuattn.pallas import compat
 
-    if name not in _TOPOLOGIES:
-        with _native_stderr_silenced():  # libtpu warns, at start-up, about TPU_* variables not needed here
-            _TOPOLOGIES[name] = topologies.get_topology_desc(topology_name=name, platform="tpu")
-            # Lower for the installed libtpu (an older one reads only older Mosaic serializations).
-            compat.match_installed_libtpu(_TOPOLOGIES[name].devices[0])
+    with _native_stderr_silenced():  # libtpu warns, at start-up, about TPU_* variables not needed here
+        _TOPOLOGIES[name] = topologies.get_topology_desc(topology_name=name, platform="tpu", **options)
+        # Lower for the installed libtpu (an older one reads only older Mosaic serializations).
+        compat.match_installed_libtpu(_TOPOLOGIES[name].devices[0])
     return _TOPOLOGIES[name]
 
 

@@ -511,12 +511,8 @@ def estimate_dump(out: str | os.PathLike, chip: str, weights: dict[str, Weights]
 # cores, as a v4-8 shows JAX). The estimate compiles for the device the measured runs ran on.
 TOPOLOGY_OPTIONS = {"v4": {"chip_config_name": "megacore"}}
 _TOPOLOGY_PRELUDE = """
-from jax.experimental import topologies as _topologies
 from tpuattn.measure import aot as _aot
-from tpuattn.pallas import compat as _compat
-_name = {name!r}
-_aot._TOPOLOGIES[_name] = _topologies.get_topology_desc(topology_name=_name, platform="tpu", **{options!r})
-_compat.match_installed_libtpu(_aot._TOPOLOGIES[_name].devices[0])
+_aot.describe_topology({name!r}, **{options!r})
 """
 
 
