@@ -375,6 +375,15 @@ def _decode_kernel(*refs, num_prefetch, k_scaled, q_len, left, block, per_step, 
                                    jnp.log(jnp.where(seen, l_sum, 1.0)))
 
 
+def _cache_block_index(seq, p, hg, refs, *, paged: bool, pps: int, one_head: bool):
+    """A K/V BlockSpec's block index (both grids): block ``p`` of sequence ``seq``, kv head group ``hg``;
+    for a paged cache the page the scalar-prefetched page table (``refs[0]``, flattened) names, for a
+    contiguous one the sequence's row; ``[..., rows, d]`` when there is one kv head."""
+    if paged:
+        seq, p = refs[0][seq * pps + p], 0
+    return (seq, p, 0) if one_head else (seq, p, hg, 0)
+
+
 def vmem_need_bytes(geo: Geometry, head_dim: int, itemsize: int) -> int:
     """The kernel's VMEM, modelled: K and V blocks (double-buffered), q, the partial outputs and the
     scratch, and per kv head of a block the body's temporaries (``[block, d]``: v in float32, its
@@ -441,11 +450,7 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     def kv_map(j):
         def index(bi, hg, c, i, lengths_ref, *refs):
             p = kv_block((c * cs + i) * n + j, lengths_ref[bi], tq, left, block)
-            if spec.paged:
-                lead, p = refs[0][bi * pps + p], 0
-            else:
-                lead = bi
-            return (lead, p, 0) if one_head else (lead, p, hg, 0)
+            return _cache_block_index(bi, p, hg, refs, paged=spec.paged, pps=pps, one_head=one_head)
         return index
 
     def fixed(bi, hg, c, i, *refs):
@@ -741,11 +746,7 @@ def ragged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, cu
             p = jnp.minimum(jnp.maximum(s * per_step + j, visits_ref[at("kv_first") + vi]),
                             visits_ref[at("kv_last") + vi])
             seq = visits_ref[at("seq") + vi]
-            if spec.paged:
-                lead, p = refs[0][seq * pps + p], 0
-            else:
-                lead = seq
-            return (lead, p, 0) if one_head else (lead, p, hg, 0)
+            return _cache_block_index(seq, p, hg, refs, paged=spec.paged, pps=pps, one_head=one_head)
         return index
 
     def token_map(hg, vi, s, visits_ref, *refs):
