@@ -554,10 +554,12 @@ else:
 # Compare each implementation's peak HBM with the roofline's bytes: the arguments (the cache) are
 # what a decode step holds. Bytes accessed is the compiler's count over *every* page (it cannot know
 # the lengths) plus what each implementation does around its kernel (the reference's gather and
-# materialised scores, the split-K kernel's partials and their merge, `jax_paged`'s transposed copy
-# of the cache), and for a Pallas kernel the cost its author declared (`pl.CostEstimate`): a compiled
-# upper view, not a measurement. The split-K kernel reads the cache in place, so its bytes are the
-# roofline's plus its partials, padded query rows and merge (about 1.1x); an earlier version
+# materialised scores, the split-K kernel's partials and their merge when the cache is several chunks,
+# `jax_paged`'s transposed copy of the cache), and for a Pallas kernel the cost its author declared
+# (`pl.CostEstimate`): a compiled upper view, not a measurement. The split-K kernel reads the cache in
+# place, and here the cache (1024 positions) is one chunk, which the kernel finishes itself (no
+# partials leave it, nothing is merged), so its bytes are the roofline's plus its padded query rows
+# (the 1.0x above; 1.1x while the one chunk's partial was written out and merged); an earlier version
 # reshaped the cache to `[..., rows, kv_heads * head_dim]` before the kernel, a copy of the cache on
 # a TPU, and read 4.6x (`tests/test_aot_decode.py` now checks the optimised program for such
 # copies). On JAX 0.10.2 `ragged_paged_attention`'s lowering asks the local device for its TPU

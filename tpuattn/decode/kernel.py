@@ -8,7 +8,10 @@ so Mosaic may spread them over TensorCores: this is the split over the cache tha
 when ``batch x kv_heads`` is small); the last runs an online softmax over the chunk's blocks in VMEM
 scratch (``arbitrary``). Each chunk writes a partial output and its row statistics ``(m, log l)``
 (two lanes); :func:`partials` hands each chunk on as a :class:`tpuattn.softmax.Partial`, and
-:func:`tpuattn.softmax.merge` combines them afterwards.
+:func:`tpuattn.softmax.merge` combines them afterwards. A cache of one chunk (``chunk_blocks`` covers
+it: at most 2048 positions by default) is finished in the kernel instead (:func:`finished`): the
+sinks start each row's running max and sum, ``v_scale`` multiplies the result, and the output is
+written once in q's dtype, so no float32 partial, no statistics and no merge move through HBM.
 
 ``lengths`` (and the flattened ``page_table``) are scalar-prefetched into SMEM
 (``pltpu.PrefetchScalarGridSpec``), so the index maps and the kernel know each sequence's useful blocks
@@ -72,10 +75,11 @@ step is bound by the decodes' padded rows, not by HBM. A smaller ``T`` computes 
 
 A quantized cache (int8, float8_e4m3fn) is read as stored, a byte per entry; each block is widened
 to q's dtype in VMEM (exact), the logits are multiplied by the kv head's scalar-prefetched
-``k_scale`` and the merged output by ``v_scale``. A one-byte block holds 32 kv heads or all of them
-(:func:`kv_heads_per_block`). Compiled for v5e and v6e (not run) at notebook 07's serving shape an
-int8 or fp8 cache is 19.8 MB accessed against bfloat16's 36.6 MB (``tpuattn.measure.aot``'s decode
-engine rows).
+``k_scale`` and the output by ``v_scale``. A one-byte block holds 32 kv heads or all of them
+(:func:`kv_heads_per_block`). Compiled for v5e and v6e (not run) at notebook 07's serving shape (one
+chunk) an int8 or fp8 cache is 17.8 MB accessed, 1.05x the decode model, against bfloat16's 34.6 MB,
+1.03x (``tpuattn.measure.aot``'s decode engine rows; 19.8 and 36.6 MB while the one chunk's partial
+was written out and merged).
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ from tpuattn._checks import positive_int
 from tpuattn.decode.registry import register
 from tpuattn.decode.spec import DecodeSpec, padded_rows
 from tpuattn.numerics import apply_softcap, first_order_only, matmul_precision
-from tpuattn.options import DecodeKernelOptions
+from tpuattn.options import DecodeKernelOptions, scoped_vmem_limit
 from tpuattn.options import resolve_interpret as _resolve_interpret
 from tpuattn.pallas.layout import LANES, NT_DIMS
 from tpuattn.sinks import sink_partial
@@ -303,19 +307,35 @@ def _widen(x, dtype):
     return x.astype(jnp.float32).astype(dtype)
 
 
-def _decode_kernel(*refs, num_prefetch, k_scaled, q_len, left, block, per_step, chunk_steps, heads, scale,
-                   softcap, precision):
-    lengths_ref, ks_ref = refs[0], refs[num_prefetch - 1] if k_scaled else None
+def _decode_kernel(*refs, num_prefetch, paged, k_scaled, finish, v_scaled, with_sinks, group, q_len, left,
+                   block, per_step, chunk_steps, heads, scale, softcap, precision):
+    lengths_ref = refs[0]
+    scalars = list(refs[1 + paged:num_prefetch])
+    ks_ref = scalars.pop(0) if k_scaled else None
+    vs_ref = scalars.pop(0) if v_scaled else None
+    sinks_ref = scalars.pop(0) if with_sinks else None
     refs = refs[num_prefetch:]
     q_ref, k_refs, v_refs = refs[0], refs[1:1 + per_step], refs[1 + per_step:1 + 2 * per_step]
-    o_ref, stats_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
+    if finish:
+        o_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
+    else:
+        o_ref, stats_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
     b, hg, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     length = lengths_ref[b]
 
     @pl.when(i == 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        if with_sinks:  # (finish only) the sink is one more logit of value 0: running max z, running sum 1
+            r = jax.lax.broadcasted_iota(jnp.int32, m_ref.shape[1:], 0)  # row r = g * q_len + t
+            for h in range(heads):
+                z = jnp.full(m_ref.shape[1:], sinks_ref[(hg * heads + h) * group], jnp.float32)
+                for g in range(1, group):
+                    z = jnp.where(r >= g * q_len, sinks_ref[(hg * heads + h) * group + g], z)
+                m_ref[h] = z
+            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def update(p, k_ref, v_ref):
@@ -362,8 +382,16 @@ def _decode_kernel(*refs, num_prefetch, k_scaled, q_len, left, block, per_step, 
         pl.when(is_useful(p, length, q_len, left, block))(
             functools.partial(update, p, k_refs[j], v_refs[j]))
 
-    @pl.when(i == chunk_steps - 1)
-    def _finish():
+    def _finished():  # one chunk: the output itself, in q's dtype (no partials, no merge outside)
+        for h in range(heads):
+            l_sum = l_ref[h]
+            seen = l_sum != 0
+            out = jnp.where(seen[:, :1], acc_ref[h] / jnp.where(seen, l_sum, 1.0)[:, :1], 0.0)
+            if v_scaled:  # a value is entry * v_scale
+                out = out * vs_ref[hg * heads + h]
+            o_ref[h] = out.astype(o_ref.dtype)
+
+    def _partial():  # one chunk of several: its partial result, merged outside (softmax.merge)
         m, l_sum = m_ref[...], l_ref[...]
         seen = l_sum != 0
         o_ref[...] = jnp.where(seen[..., :1], acc_ref[...] / jnp.where(seen, l_sum, 1.0)[..., :1], 0.0)
@@ -373,6 +401,8 @@ def _decode_kernel(*refs, num_prefetch, k_scaled, q_len, left, block, per_step, 
         lane = jax.lax.broadcasted_iota(jnp.int32, m.shape, 2)
         stats_ref[...] = jnp.where(lane == 0, jnp.where(seen, m, -jnp.inf),
                                    jnp.log(jnp.where(seen, l_sum, 1.0)))
+
+    pl.when(i == chunk_steps - 1)(_finished if finish else _partial)
 
 
 def _cache_block_index(seq, p, hg, refs, *, paged: bool, pps: int, one_head: bool):
@@ -397,16 +427,15 @@ def vmem_need_bytes(geo: Geometry, head_dim: int, itemsize: int) -> int:
     return kv + io + scratch + temporaries
 
 
+VMEM_MARGIN = 1.5  # the decode kernels' vmem_limit_bytes: this times their modelled need (scoped_vmem_limit)
+
+
 def vmem_limit_bytes(geo: Geometry, head_dim: int, itemsize: int) -> int | None:
-    """``vmem_limit_bytes`` for the target chip: None (the compiler's default scoped limit,
-    ``Chip.kernel_vmem_bytes``) while 1.5x the modelled need fits in it, else 1.5x the need, at most the
-    chip's VMEM (large pages of many wide kv heads: a block holds 8 kv heads of a page). None off a
-    known chip."""
-    chip = chips.target_chip()
-    want = 3 * vmem_need_bytes(geo, head_dim, itemsize) // 2
-    if chip is None or want <= chip.kernel_vmem_bytes:
-        return None
-    return min(want, chip.vmem_bytes)
+    """``vmem_limit_bytes`` for the target chip, by the package's one rule
+    (:func:`tpuattn.options.scoped_vmem_limit`): None (the compiler's default scoped limit) while
+    :data:`VMEM_MARGIN` times the modelled need fits in it, else that, at most the chip's VMEM (large
+    pages of many wide kv heads: a block holds 8 kv heads of a page). None off a known chip."""
+    return scoped_vmem_limit(vmem_need_bytes(geo, head_dim, itemsize), VMEM_MARGIN, chips.target_chip())
 
 
 def resolve_interpret(interpret):
@@ -422,6 +451,22 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
 
     ``k_scale`` (float32 ``[kv_heads]``, scalar-prefetched): logits of kv head ``h`` are multiplied by
     ``k_scale[h]`` (keys ``entry * k_scale``; values' scales are the caller's, after the merge)."""
+    return _split_k(q, k_cache, v_cache, lengths, page_table, spec, geo, interpret, k_scale=k_scale)
+
+
+def finished(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Geometry, interpret, *,
+             k_scale=None, v_scale=None, sinks=None):
+    """Run the kernel over a cache of one split-K chunk (``geo.num_chunks == 1``): the output itself,
+    ``[batch, q_len, heads, d]`` in q's dtype, finished in the kernel (the sinks start each row's
+    running max and sum, ``v_scale`` multiplies the result), so no float32 partial or its statistics
+    leave it and nothing is merged outside."""
+    assert geo.num_chunks == 1, geo
+    return _split_k(q, k_cache, v_cache, lengths, page_table, spec, geo, interpret, k_scale=k_scale,
+                    finish=True, v_scale=v_scale, sinks=sinks)
+
+
+def _split_k(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Geometry, interpret, *,
+             k_scale=None, finish=False, v_scale=None, sinks=None):
     b, tq, h, d = q.shape
     hk, g = spec.num_kv_heads, spec.group_size
     rows, hb = geo.rows, geo.heads_per_block
@@ -440,12 +485,14 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     # One K and one V BlockSpec per page of a step: spec j of step (c, i) holds block (c*cs + i)*n + j,
     # clamped into the sequence's useful range (kv_block) so that skipped slots ask for a block already
     # held and issue no DMA.
-    # Scalar-prefetched: lengths, then the flattened page table (paged), then the keys' scales.
+    # Scalar-prefetched: lengths, then the flattened page table (paged), then the keys' scales, and
+    # (finishing) the values' scales and the sinks.
     prefetch = [lengths]
     if spec.paged:
         prefetch.append(page_table.reshape(-1))
-    if k_scale is not None:
-        prefetch.append(k_scale.astype(jnp.float32))
+    for x in (k_scale, v_scale, sinks):
+        if x is not None:
+            prefetch.append(jnp.asarray(x, jnp.float32).reshape(-1))
 
     def kv_map(j):
         def index(bi, hg, c, i, lengths_ref, *refs):
@@ -462,29 +509,37 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     kv_block_shape = (None, block, d) if one_head else (None, block, hb, d)
     kv_specs = [pl.BlockSpec(kv_block_shape, kv_map(j)) for j in range(n)]
     grid = (b, hk // hb, geo.num_chunks, cs)
+    nc = geo.num_chunks
+    if finish:
+        out_specs = pl.BlockSpec((None, hb, rows, d), fixed)
+        out_shape = jax.ShapeDtypeStruct((b, hk, rows, d), q.dtype)
+        out_bytes = jnp.dtype(q.dtype).itemsize * b * hk * rows * d
+    else:
+        out_specs = [pl.BlockSpec((None, None, hb, rows, d), out_map),
+                     pl.BlockSpec((None, None, hb, rows, LANES), out_map)]
+        out_shape = [jax.ShapeDtypeStruct((nc, b, hk, rows, d), jnp.float32),
+                     jax.ShapeDtypeStruct((nc, b, hk, rows, LANES), jnp.float32)]
+        out_bytes = 4 * nc * b * hk * rows * (d + LANES)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=grid,
         in_specs=[pl.BlockSpec((None, hb, rows, d), fixed), *kv_specs, *kv_specs],
-        out_specs=[pl.BlockSpec((None, None, hb, rows, d), out_map),
-                   pl.BlockSpec((None, None, hb, rows, LANES), out_map)],
+        out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((hb, rows, LANES), jnp.float32),  # running max
                         pltpu.VMEM((hb, rows, LANES), jnp.float32),  # running sum
                         pltpu.VMEM((hb, rows, d), jnp.float32)],  # output accumulator
     )
     kernel = functools.partial(
-        _decode_kernel, num_prefetch=len(prefetch), k_scaled=k_scale is not None, q_len=tq, left=left,
-        block=block, per_step=n, chunk_steps=cs,
+        _decode_kernel, num_prefetch=len(prefetch), paged=spec.paged, k_scaled=k_scale is not None,
+        finish=finish, v_scaled=v_scale is not None, with_sinks=sinks is not None, group=g, q_len=tq,
+        left=left, block=block, per_step=n, chunk_steps=cs,
         heads=hb, scale=spec.scale, softcap=spec.softcap, precision=matmul_precision(q.dtype))
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     positions = b * geo.num_blocks * block  # every block of every sequence: the compiler's upper bound
     cost = pl.CostEstimate(flops=4 * hk * rows * positions * d, transcendentals=hk * rows * positions,
                            bytes_accessed=jnp.dtype(q.dtype).itemsize * qk.size
-                           + itemsize * 2 * positions * hk * d
-                           + 4 * geo.num_chunks * b * hk * rows * (d + LANES))
-    out_shape = [jax.ShapeDtypeStruct((geo.num_chunks, b, hk, rows, d), jnp.float32),
-                 jax.ShapeDtypeStruct((geo.num_chunks, b, hk, rows, LANES), jnp.float32)]
-    out, stats = pl.pallas_call(
+                           + itemsize * 2 * positions * hk * d + out_bytes)
+    results = pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
@@ -493,7 +548,9 @@ def partials(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, geo: Ge
     )(*prefetch, qk, *[k_cache] * n, *[v_cache] * n)
     # The kernel's edge: [chunks, b, kv_heads, rows, ...] (rows r = g * q_len + t, padded) to the
     # contract's layout, query head kv_head * group + g.
-    nc = geo.num_chunks
+    if finish:
+        return results[:, :, : g * tq].reshape(b, hk, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, h, d)
+    out, stats = results
     out = out[:, :, :, : g * tq].reshape(nc, b, hk, g, tq, d).transpose(0, 1, 4, 2, 3, 5).reshape(
         nc, b, tq, h, d)
     row_stats = lambda lane: stats[:, :, :, : g * tq, lane].reshape(nc, b, h, tq)
@@ -515,8 +572,9 @@ def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *,
 
     A quantized cache is read as it is stored (one byte an entry): the kernel casts each block's
     entries to q's dtype (exact for int8 and fp8 e4m3) and multiplies the logits by ``k_scale``; the
-    values' ``v_scale`` multiplies the merged output (a value is ``entry * v_scale``, and attention is
-    linear in the values). A ragged batch runs on the token-major grid (:func:`ragged_decode`)."""
+    values' ``v_scale`` multiplies the output (a value is ``entry * v_scale``, and attention is linear
+    in the values): in the kernel for a cache of one chunk (:func:`finished`), after the merge of
+    several. A ragged batch runs on the token-major grid (:func:`ragged_decode`)."""
     chosen = DecodeKernelOptions.parse(options)
     interpret = resolve_interpret(chosen.interpret)
     if spec.ragged:
@@ -526,6 +584,13 @@ def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *,
         raise ValueError(f"q_block: queries per work item of a ragged batch (cu_q_lens); expected None "
                          f"for a dense q, got {chosen.q_block!r}")
     geo = geometry(spec, chosen.block_size, chosen.chunk_blocks, chosen.pages_per_step)
+    if geo.num_chunks == 1:  # the whole cache in one chunk: finished in the kernel, nothing to merge
+        def run(q, k_cache, v_cache, lengths, page_table, k_scale, v_scale, sinks):
+            return finished(q, k_cache, v_cache, lengths, page_table, spec, geo, interpret, k_scale=k_scale,
+                            v_scale=v_scale, sinks=sinks)
+
+        return first_order_only(run, FORWARD_ONLY)(q, k_cache, v_cache, lengths, page_table, k_scale, v_scale,
+                                                   sinks)
     run = functools.partial(partials, spec=spec, geo=geo, interpret=interpret, k_scale=k_scale)
     chunks = first_order_only(run, FORWARD_ONLY)(q, k_cache, v_cache, lengths, page_table)
     if sinks is not None:  # the sinks are one more part of the split-K merge (tpuattn.sinks)
@@ -773,11 +838,8 @@ def ragged_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, cu
     positions = num * steps * per_step * block
     cost = pl.CostEstimate(flops=4 * hk * rows * positions * d, transcendentals=hk * rows * positions,
                            bytes_accessed=2 * q_itemsize * q.size + kv_itemsize * 2 * positions * hk * d)
-    vmem = None
-    chip = chips.target_chip()
-    if not interpret and chip is not None:
-        want = 3 * ragged_vmem_need_bytes(geo, tokens, group, d, q_itemsize, kv_itemsize) // 2
-        vmem = None if want <= chip.kernel_vmem_bytes else min(want, chip.vmem_bytes)
+    need = ragged_vmem_need_bytes(geo, tokens, group, d, q_itemsize, kv_itemsize)
+    vmem = None if interpret else scoped_vmem_limit(need, VMEM_MARGIN, chips.target_chip())
 
     def run(q, k_cache, v_cache, *prefetch):
         return pl.pallas_call(
