@@ -503,9 +503,10 @@ def estimate_dump(out: str | os.PathLike, chip: str, weights: dict[str, Weights]
 
 
 # A JAX device of a megacore chip (v4, v5p) is the chip: its two TensorCores run one program, the compiler
-# splitting a Pallas grid's "parallel" axes between them (jax-ml/jax discussion #36155: "On TPU v4, a JAX
-# logical device is normally configured as a Megacore containing two physical TensorCores"; JAX's
-# pallas.tpu.ChipVersion table: v4 and v5p support megacore), as tpuattn.chips models them (Chip.megacore,
+# splitting a Pallas grid's "parallel" axes between them (JAX's Pallas TPU pipelining guide: "Megacore is
+# only currently available on TPU v4 and TPU v5p"; the chip-version table in jax/_src/pallas/mosaic/
+# tpu_info.py marks both as supporting megacore; a v4-8 shows "4 logical devices (2 cores per, 'MegaCore'
+# mode)", pytorch/xla#3460), as tpuattn.chips models them (Chip.megacore,
 # per_device). libtpu describes "v5p:2x2x1" that way, but "v4:2x2x1" as eight one-TensorCore devices
 # unless asked for the megacore chip configuration (chip_config_name="megacore": four devices of two
 # cores, as a v4-8 shows JAX). The estimate compiles for the device the measured runs ran on.
