@@ -214,8 +214,8 @@ def _scalar(name: str, definitions: dict, operands: tuple, spills: dict, depth: 
 
 def loops(bundles: list[Bundle], operands: tuple = ()) -> list[tuple[int, int, int, int]]:
     """``(start, stop, depth, trips)`` of each loop: the bundles from its ``LB:`` on at its depth or
-    deeper, the trip count the last exit test at its depth compares with: a constant
-    (``scmp.ge ... N /* loop exit test */``) or, for a grid whose size the program passes in (tokamax's
+    deeper, the trip count the last exit test at its depth compares with: a constant (an ``scmp.ge``
+    against ``N /* loop exit test */``) or, for a grid whose size the program passes in (tokamax's
     kernels step over the visited tiles only, their count a scalar operand), the scalar the loop's
     branch back tests, where the bundles compute it from constants and the call's constant
     ``operands`` (:func:`_scalar`)."""
