@@ -307,6 +307,24 @@ def _widen(x, dtype):
     return x.astype(jnp.float32).astype(dtype)
 
 
+def _start_rows(m_ref, l_ref, acc_ref, sinks_ref, hg, heads: int, group: int, per_head: int):
+    """Both grids' running state at the start of a block's rows (row ``r = g * per_head + t``: query head
+    ``g`` of the kv head's group): max -inf, sum 0 and accumulator 0; with sinks (``sinks_ref`` not
+    None) each row's sink is one more logit of value 0 (running max the sink, running sum 1)."""
+    if sinks_ref is not None:
+        r = jax.lax.broadcasted_iota(jnp.int32, m_ref.shape[1:], 0)
+        for h in range(heads):
+            z = jnp.full(m_ref.shape[1:], sinks_ref[(hg * heads + h) * group], jnp.float32)
+            for g in range(1, group):
+                z = jnp.where(r >= g * per_head, sinks_ref[(hg * heads + h) * group + g], z)
+            m_ref[h] = z
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
 def _decode_kernel(*refs, num_prefetch, paged, k_scaled, finish, v_scaled, with_sinks, group, q_len, left,
                    block, per_step, chunk_steps, heads, scale, softcap, precision):
     lengths_ref = refs[0]
@@ -323,20 +341,7 @@ def _decode_kernel(*refs, num_prefetch, paged, k_scaled, finish, v_scaled, with_
     b, hg, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     length = lengths_ref[b]
 
-    @pl.when(i == 0)
-    def _init():
-        if with_sinks:  # (finish only) the sink is one more logit of value 0: running max z, running sum 1
-            r = jax.lax.broadcasted_iota(jnp.int32, m_ref.shape[1:], 0)  # row r = g * q_len + t
-            for h in range(heads):
-                z = jnp.full(m_ref.shape[1:], sinks_ref[(hg * heads + h) * group], jnp.float32)
-                for g in range(1, group):
-                    z = jnp.where(r >= g * q_len, sinks_ref[(hg * heads + h) * group + g], z)
-                m_ref[h] = z
-            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
-        else:
-            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    pl.when(i == 0)(functools.partial(_start_rows, m_ref, l_ref, acc_ref, sinks_ref, hg, heads, group, q_len))
 
     def update(p, k_ref, v_ref):
         rows = q_ref.shape[1]
@@ -687,18 +692,7 @@ def _ragged_kernel(*refs, num_visits, num_prefetch, paged, k_scaled, v_scaled, w
 
     @pl.when((s == 0) & (field("first") == 1))
     def _init():
-        if with_sinks:  # the sink is one more logit of value 0: running max z_h, running sum 1
-            r = jax.lax.broadcasted_iota(jnp.int32, (rows, LANES), 0)
-            for h in range(heads):
-                z = jnp.full((rows, LANES), sinks_ref[(hg * heads + h) * group], jnp.float32)
-                for g in range(1, group):
-                    z = jnp.where(r >= g * tokens, sinks_ref[(hg * heads + h) * group + g], z)
-                m_ref[h] = z
-            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
-        else:
-            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        _start_rows(m_ref, l_ref, acc_ref, sinks_ref, hg, heads, group, tokens)
 
     def update(p, k_ref, v_ref):
         key = p * block + jax.lax.broadcasted_iota(jnp.int32, (rows, block), 1)
