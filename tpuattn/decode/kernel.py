@@ -307,6 +307,20 @@ def _widen(x, dtype):
     return x.astype(jnp.float32).astype(dtype)
 
 
+def _kernel_refs(refs, num_prefetch: int, paged: bool, k_scaled: bool, v_scaled: bool, with_sinks: bool,
+                 per_step: int):
+    """Both grids' kernel arguments, in their order: the scalar-prefetched ``(table, k_scale, v_scale,
+    sinks)`` (the lengths or the visit table first, then the page table when paged; a scalar not passed
+    is None), the ``(q, K blocks, V blocks)`` inputs, and the rest (outputs, then scratch)."""
+    scalars = list(refs[1 + paged:num_prefetch])
+    ks_ref = scalars.pop(0) if k_scaled else None
+    vs_ref = scalars.pop(0) if v_scaled else None
+    sinks_ref = scalars.pop(0) if with_sinks else None
+    inputs = refs[num_prefetch:]
+    q_ref, k_refs, v_refs = inputs[0], inputs[1:1 + per_step], inputs[1 + per_step:1 + 2 * per_step]
+    return (refs[0], ks_ref, vs_ref, sinks_ref), (q_ref, k_refs, v_refs), inputs[1 + 2 * per_step:]
+
+
 def _start_rows(m_ref, l_ref, acc_ref, sinks_ref, hg, heads: int, group: int, per_head: int):
     """Both grids' running state at the start of a block's rows (row ``r = g * per_head + t``: query head
     ``g`` of the kv head's group): max -inf, sum 0 and accumulator 0; with sinks (``sinks_ref`` not
@@ -327,17 +341,12 @@ def _start_rows(m_ref, l_ref, acc_ref, sinks_ref, hg, heads: int, group: int, pe
 
 def _decode_kernel(*refs, num_prefetch, paged, k_scaled, finish, v_scaled, with_sinks, group, q_len, left,
                    block, per_step, chunk_steps, heads, scale, softcap, precision):
-    lengths_ref = refs[0]
-    scalars = list(refs[1 + paged:num_prefetch])
-    ks_ref = scalars.pop(0) if k_scaled else None
-    vs_ref = scalars.pop(0) if v_scaled else None
-    sinks_ref = scalars.pop(0) if with_sinks else None
-    refs = refs[num_prefetch:]
-    q_ref, k_refs, v_refs = refs[0], refs[1:1 + per_step], refs[1 + per_step:1 + 2 * per_step]
+    (lengths_ref, ks_ref, vs_ref, sinks_ref), (q_ref, k_refs, v_refs), rest = _kernel_refs(
+        refs, num_prefetch, paged, k_scaled, v_scaled, with_sinks, per_step)
     if finish:
-        o_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
+        o_ref, m_ref, l_ref, acc_ref = rest
     else:
-        o_ref, stats_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
+        o_ref, stats_ref, m_ref, l_ref, acc_ref = rest
     b, hg, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     length = lengths_ref[b]
 
@@ -678,14 +687,9 @@ def visits(cu_q_lens, lengths, total: int, tokens: int, block: int, capacity: in
 
 def _ragged_kernel(*refs, num_visits, num_prefetch, paged, k_scaled, v_scaled, with_sinks, tokens, group,
                    left, block, per_step, steps, heads, scale, softcap, precision):
-    visits_ref = refs[0]
-    scalars = list(refs[1 + paged:num_prefetch])
-    ks_ref = scalars.pop(0) if k_scaled else None
-    vs_ref = scalars.pop(0) if v_scaled else None
-    sinks_ref = scalars.pop(0) if with_sinks else None
-    refs = refs[num_prefetch:]
-    q_ref, k_refs, v_refs = refs[0], refs[1:1 + per_step], refs[1 + per_step:1 + 2 * per_step]
-    o_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * per_step:]
+    (visits_ref, ks_ref, vs_ref, sinks_ref), (q_ref, k_refs, v_refs), rest = _kernel_refs(
+        refs, num_prefetch, paged, k_scaled, v_scaled, with_sinks, per_step)
+    o_ref, m_ref, l_ref, acc_ref = rest
     hg, vi, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     field = lambda name: visits_ref[_F[name] * num_visits + vi]
     rows = group * tokens  # row r = g * tokens + t: query head g of the group, token t of the block
