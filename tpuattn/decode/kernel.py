@@ -321,6 +321,21 @@ def _kernel_refs(refs, num_prefetch: int, paged: bool, k_scaled: bool, v_scaled:
     return (refs[0], ks_ref, vs_ref, sinks_ref), (q_ref, k_refs, v_refs), inputs[1 + 2 * per_step:]
 
 
+def _online_update(h: int, s, v, bad, m_ref, l_ref, acc_ref, precision):
+    """Both grids' online-softmax step for head ``h`` of a block: logits ``s`` (-inf where hidden), values
+    ``v`` (non-finite entries read as 0), ``bad`` (how many non-finite values each row sees: its
+    accumulator becomes NaN) into the running max, sum and accumulator."""
+    m_prev, l_prev = m_ref[h], l_ref[h]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # -inf - -inf: a row that saw nothing
+    e = jnp.exp(s - shift[:, :1])
+    alpha = jnp.exp(m_prev - shift)
+    l_ref[h] = alpha * l_prev + jnp.sum(e, axis=1, keepdims=True)
+    m_ref[h] = m_next
+    pv = jnp.dot(e.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+    acc_ref[h] = acc_ref[h] * alpha[:, :1] + jnp.where(bad > 0, jnp.nan, pv)
+
+
 def _start_rows(m_ref, l_ref, acc_ref, sinks_ref, hg, heads: int, group: int, per_head: int):
     """Both grids' running state at the start of a block's rows (row ``r = g * per_head + t``: query head
     ``g`` of the kv head's group): max -inf, sum 0 and accumulator 0; with sinks (``sinks_ref`` not
@@ -380,16 +395,7 @@ def _decode_kernel(*refs, num_prefetch, paged, k_scaled, finish, v_scaled, with_
             s = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
             s = s * (scale * ks_ref[hg * heads + h] if k_scaled else scale)  # a key is entry * k_scale
             s = apply_softcap(jnp.where(jnp.abs(s) < jnp.inf, s, jnp.nan), softcap)
-            s = jnp.where(keep, s, -jnp.inf)
-            m_prev, l_prev = m_ref[h], l_ref[h]
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            e = jnp.exp(s - shift[:, :1])
-            alpha = jnp.exp(m_prev - shift)
-            l_ref[h] = alpha * l_prev + jnp.sum(e, axis=1, keepdims=True)
-            m_ref[h] = m_next
-            pv = jnp.dot(e.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-            acc_ref[h] = acc_ref[h] * alpha[:, :1] + jnp.where(bad > 0, jnp.nan, pv)
+            _online_update(h, jnp.where(keep, s, -jnp.inf), v, bad, m_ref, l_ref, acc_ref, precision)
 
     for j in range(per_step):  # the step's pages, each computed only if useful
         p = (c * chunk_steps + i) * per_step + j
@@ -723,16 +729,7 @@ def _ragged_kernel(*refs, num_visits, num_prefetch, paged, k_scaled, v_scaled, w
             sc = jax.lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
             sc = sc * (scale * ks_ref[hg * heads + h] if k_scaled else scale)
             sc = apply_softcap(jnp.where(jnp.abs(sc) < jnp.inf, sc, jnp.nan), softcap)
-            sc = jnp.where(keep, sc, -jnp.inf)
-            m_prev, l_prev = m_ref[h], l_ref[h]
-            m_next = jnp.maximum(m_prev, jnp.max(sc, axis=1, keepdims=True))
-            shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # -inf - -inf: a row that saw nothing
-            e = jnp.exp(sc - shift[:, :1])
-            alpha = jnp.exp(m_prev - shift)
-            l_ref[h] = alpha * l_prev + jnp.sum(e, axis=1, keepdims=True)
-            m_ref[h] = m_next
-            pv = jnp.dot(e.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-            acc_ref[h] = acc_ref[h] * alpha[:, :1] + jnp.where(bad > 0, jnp.nan, pv)
+            _online_update(h, jnp.where(keep, sc, -jnp.inf), v, bad, m_ref, l_ref, acc_ref, precision)
 
     for j in range(per_step):
         p = s * per_step + j
