@@ -214,7 +214,7 @@ BAD = [
      "pallas: unknown option(s) ['tile']; expected a subset of ['block_size', 'chunk_blocks', 'interpret', "
      "'pages_per_step', 'q_block']"),
     ("q_block dense", dict(impl="pallas", q_block=4), ValueError,
-     "q_block: queries per work item of a ragged batch (cu_q_lens); expected None for a dense q, got 4"),
+     "q_block: tokens per token block of a ragged batch (cu_q_lens); expected None for a dense q, got 4"),
     ("paged block", dict(impl="pallas", block_size=8), ValueError,
      "block_size: a paged cache's block is its page; expected None, got 8"),
     # Before: Pallas's raw "Only interpret mode is supported on CPU backend", and "reference: unknown

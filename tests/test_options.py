@@ -441,7 +441,7 @@ def test_decode_pallas_refuses_bad_options_naming_the_option_and_value(kwargs, m
 
 
 @pytest.mark.parametrize("paged,ragged,kwargs,message", [
-    (True, False, dict(q_block=4), "q_block: queries per work item of a ragged batch (cu_q_lens); expected "
+    (True, False, dict(q_block=4), "q_block: tokens per token block of a ragged batch (cu_q_lens); expected "
                                    "None for a dense q, got 4"),
     (True, True, dict(block_size=8), "block_size: a paged cache's block is its page; expected None, got 8"),
     (False, False, dict(pages_per_step=2), "pages_per_step: a contiguous cache has no pages (set "

@@ -601,7 +601,7 @@ def pallas_decode(q, k_cache, v_cache, lengths, page_table, spec: DecodeSpec, *,
         return ragged_decode(q, k_cache, v_cache, lengths, page_table, spec, cu_q_lens, chosen, interpret,
                              sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if chosen.q_block is not None:
-        raise ValueError(f"q_block: queries per work item of a ragged batch (cu_q_lens); expected None "
+        raise ValueError(f"q_block: tokens per token block of a ragged batch (cu_q_lens); expected None "
                          f"for a dense q, got {chosen.q_block!r}")
     geo = geometry(spec, chosen.block_size, chosen.chunk_blocks, chosen.pages_per_step)
     if geo.num_chunks == 1:  # the whole cache in one chunk: finished in the kernel, nothing to merge
