@@ -242,29 +242,15 @@ def test_pallas_compiles_large_pages_of_wide_heads(dtype, page, head_dim, monkey
 # estimate to Pallas, so XLA's bytes accessed count none of its traffic: the engines compare by peak HBM.
 # At the serving batch the split-K kernel's cache is one chunk, finished in the kernel (no float32
 # partials, no merge; 1.17x the model with a one-byte cache while they were written out), and every cache
-# passes. Over the bounds (JAX 0.10.2, libtpu 0.0.42.1, benchmarks/decode_engine.py): at the mixed batch
+# passes. Compiled with JAX 0.10.2 and libtpu 0.0.42.1 (benchmarks/decode_engine.py): at the mixed batch
 # the token-major ragged kernel accesses 1.06x the model with every cache on both chips, and has no
 # temporaries in HBM (the visit table's operations live in VMEM; a reduction to a scalar among them
-# once left 0.35 MB (v5e) or 0.39 MB (v6e) of temporaries). With a bfloat16 cache its peak HBM is the
-# arguments and the output, 286,204,928 B against JAX's kernel's 286,205,440 B (v6e). With int8 and fp8
-# caches it is 151,988,224 B against 151,987,712 B on both chips: 512 B above, the two float32 scales
-# this step passes as arrays (512 B each as the TPU lays them out), where JAX's kernel compiles its
-# Python-float scales in and takes one 512 B array more (num_seqs). On v5e with a bfloat16 cache JAX's
-# kernel does not compile (scoped VMEM), so only the bytes are held there, and that case passes.
-# Strict: a case that comes within the bounds fails here until its mark is removed. Keys: (shape,
-# cache dtype) on every chip, or (chip, shape, cache dtype).
-_SCALES = ("peak HBM 512 B above JAX's kernel's: k_scale and v_scale are two argument arrays here, "
-           "JAX's kernel compiles its Python-float scales in")
-OVER_THE_BOUNDS = {("mixed", "int8"): _SCALES, ("mixed", "float8_e4m3fn"): _SCALES}
-
-
-def _over(chip: str, shape: str, cache_dtype: str) -> str | None:
-    return OVER_THE_BOUNDS.get((shape, cache_dtype)) or OVER_THE_BOUNDS.get((chip, shape, cache_dtype))
-
-
-ENGINE_CASES = [pytest.param(chip, shape, cache_dtype, marks=[pytest.mark.xfail(
-                    strict=True, reason=f"the decode kernel: {_over(chip, shape, cache_dtype)}")]
-                    if _over(chip, shape, cache_dtype) else [])
+# once left 0.35 MB (v5e) or 0.39 MB (v6e) of temporaries). Both steps take per-tensor scales as
+# Python floats compiled in (two float32 [] arguments would add 512 B each as the TPU lays them out). Its
+# peak HBM is then the arguments and the output: with a bfloat16 cache 286,204,928 B against JAX's
+# kernel's 286,205,440 B (v6e), which takes one 512 B array more (num_seqs). On v5e with a bfloat16
+# cache JAX's kernel does not compile (scoped VMEM), so only the bytes are held there.
+ENGINE_CASES = [(chip, shape, cache_dtype)
                 for chip in CHIPS for shape in aot.DECODE_ENGINE_SHAPES
                 for cache_dtype in aot.DECODE_CACHE_DTYPES]
 

@@ -825,18 +825,18 @@ def _tpuattn_decode_step(shape: dict, cache_dtype: str):
     cache = jax.ShapeDtypeStruct((shape["pages"], shape["page"], hk, d), jnp.dtype(cache_dtype))
     lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
     table = jax.ShapeDtypeStruct((b, shape["pages_per_sequence"]), jnp.int32)
-    scale = jax.ShapeDtypeStruct((), jnp.float32)
     if shape["uniform"]:
         q = jax.ShapeDtypeStruct((b, shape["q_lens"][0], h, d), jnp.bfloat16)
         args = [q, cache, cache, lengths, table]
     else:
         q = jax.ShapeDtypeStruct((shape["tokens"], h, d), jnp.bfloat16)
         args = [q, cache, cache, lengths, table, jax.ShapeDtypeStruct((b + 1,), jnp.int32)]
-    args += [scale, scale] if quantized else []
+    # Per-tensor scales as Python floats, compiled in, as JAX's step takes them (like for like: two
+    # float32 [] arguments would add 512 B each to the peak HBM on the TPU).
+    scales = dict(k_scale=DECODE_SCALE, v_scale=DECODE_SCALE) if quantized else {}
 
     def fn(q, k, v, lengths, table, *rest):
         ragged = dict(cu_q_lens=rest[0]) if not shape["uniform"] else {}
-        scales = dict(k_scale=rest[-2], v_scale=rest[-1]) if quantized else {}
         return decode.attention(q, k, v, lengths, page_table=table, impl="pallas", **ragged, **scales)
 
     return fn, args
