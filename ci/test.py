@@ -40,7 +40,7 @@ The full run's stages, cheapest first:
                       there through a notebook's own install cell (its URL pointed at this checkout's
                       HEAD) and checks that no Colab version changed; then every notebook is executed
                       top to bottom with papermill on that environment's kernel (``ci/notebooks.py --jax
-                      colab``), two at a time, LLVM's CPU optimisation off (``FAST_XLA_FLAGS``: nothing
+                      colab``), two at a time, XLA's costlier CPU compile passes off (``FAST_XLA_FLAGS``: nothing
                       is compared), ``RUN_MEMORY = False`` (the child-process memory measurements run
                       in nbval) and notebook 10 without its §5 compiles (``COLAB_SKIPS``); and the
                       puzzle tests (every stub fails, every solution passes, each compiled for v5e by
@@ -119,9 +119,14 @@ QUICK_FILES = ("tests/test_architecture.py", "tests/test_oracle_suite.py", "test
 # HLO passes, and fast math stays off). The notebook runs whose outputs nobody compares (papermill on
 # JAX 0.7.2, the release matrix, the dry run) set it too: they check that every cell runs, and their
 # CPU timings are not the ones a reader gets (notebook 03 on JAX 0.7.2: 52 s of CPU time at the default
-# level, 41 s without). nbval keeps XLA's defaults: its printed numbers are the committed ones. The
-# compile stages do not set it either (the TPU compiler's programs are what they check).
-FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# level, 41 s without). XLA's newer CPU fusion emitters (MLIR) cost more to compile than its classic
+# loop emitter for these small programs: without them tests/test_sinks.py, test_pallas.py and
+# test_fuzz.py take 199 s of CPU time instead of 246 (JAX 0.10.2), test_sinks.py and
+# test_hardening.py 175 s instead of 227 (JAX 0.7.2); every release from 0.7.2 to 0.10.2 takes the flag.
+# nbval keeps XLA's defaults: its printed numbers are the committed ones. The compile stages do not
+# set it either (the TPU compiler's programs are what they check).
+FAST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                  "--xla_cpu_use_fusion_emitters=false")
 FAST_CPU_COMPILE = {"XLA_FLAGS": FAST_XLA_FLAGS}  # the environment of the unit stages and the runs above
 COMPILE_TESTS = "tests/test_aot*.py"  # the compile stages' files; the unit stages leave them out
 # Every pytest but nbval's: without nbval's plugin (installed in .venv, it loads in every pytest
@@ -225,7 +230,8 @@ def stage_unit(env: _venv.Env) -> str:
     # each), so two workers come close to halving the stage. The compile tests have their own stage.
     # --dist worksteal: a worker that runs out of tests takes queued ones from the other, so the
     # stage does not end on one worker's backlog of slow tests while the other core idles.
-    # XLA_FLAGS (FAST_XLA_FLAGS): LLVM's optimisation off for the CPU programs the tests compile.
+    # XLA_FLAGS (FAST_XLA_FLAGS): LLVM's optimisation and the fusion emitters off for the CPU programs
+    # the tests compile.
     seeds = os.environ.get("FUZZ_SEEDS") or UNIT_FUZZ_SEEDS[release_of(env)]
     return pytest_result(run([str(env.python), *PYTEST, "--durations=15",
                               "-n", "2", "--dist", "worksteal", f"--ignore-glob={COMPILE_TESTS}", "tests"],
