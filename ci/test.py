@@ -40,9 +40,10 @@ The full run's stages, cheapest first:
                       there through a notebook's own install cell (its URL pointed at this checkout's
                       HEAD) and checks that no Colab version changed; then every notebook is executed
                       top to bottom with papermill on that environment's kernel (``ci/notebooks.py --jax
-                      colab``), two at a time, XLA's costlier CPU compile passes off (``FAST_XLA_FLAGS``: nothing
-                      is compared), ``RUN_MEMORY = False`` (the child-process memory measurements run
-                      in nbval) and notebook 10 without its §5 compiles (``COLAB_SKIPS``); and the
+                      colab``), two at a time, XLA's costlier CPU compile passes off
+                      (``FAST_XLA_FLAGS``: nothing is compared), ``RUN_MEMORY = False`` (the child-process
+                      memory measurements run in nbval) and notebook 10 without its §5 compiles
+                      (``COLAB_SKIPS``); and the
                       puzzle tests (every stub fails, every solution passes, each compiled for v5e by
                       libtpu 0.0.21.1; a right answer passes its compile) run with that environment's
                       pytest against the installed package
