@@ -43,10 +43,9 @@ The full run's stages, cheapest first:
                       colab``), two at a time, XLA's costlier CPU compile passes off
                       (``FAST_XLA_FLAGS``: nothing is compared), ``RUN_MEMORY = False`` (the child-process
                       memory measurements run in nbval) and notebook 10 without its §5 compiles
-                      (``COLAB_SKIPS``); and the
-                      puzzle tests (every stub fails, every solution passes, each compiled for v5e by
-                      libtpu 0.0.21.1; a right answer passes its compile) run with that environment's
-                      pytest against the installed package
+                      (``COLAB_SKIPS``); and the puzzle tests (every stub fails, every solution passes,
+                      each compiled for v5e by libtpu 0.0.21.1; a right answer passes its compile) run
+                      with that environment's pytest against the installed package
 * ``releases``        the release matrix: on each JAX minor release between those two (0.8.3, 0.9.2; each in
                       its own ``.venv-jaxV`` with that release's libtpu), the smoke subset: the quick
                       tier's oracle checks (each implementation once, forward and gradients; decode's),
