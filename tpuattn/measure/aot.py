@@ -748,8 +748,15 @@ DECODE_ENGINE_COLUMNS = ("chip", "engine", "shape", "cache_dtype", "batch", "tok
                          "bytes_accessed", "peak_hbm_bytes", "argument_bytes", "output_bytes", "temp_bytes",
                          "compile_s", "blocks", "label", "jax_version",
                          "libtpu_version")
-# A quantized cache's scales, per tensor (JAX's kernel takes Python floats; the package float32 arrays).
+# A quantized cache's scales, per tensor.
 DECODE_SCALE = 0.5
+
+
+def _decode_scales(cache_dtype: str) -> dict:
+    """Every engine's ``k_scale``/``v_scale`` for a ``cache_dtype`` cache: none for bfloat16, else
+    :data:`DECODE_SCALE` as Python floats, compiled in (like for like: JAX's kernels take no other; two
+    float32 ``[]`` arguments would add 512 B each to the peak HBM on the TPU)."""
+    return {} if cache_dtype == "bfloat16" else dict(k_scale=DECODE_SCALE, v_scale=DECODE_SCALE)
 
 
 @contextlib.contextmanager
@@ -831,9 +838,7 @@ def _tpuattn_decode_step(shape: dict, cache_dtype: str):
     else:
         q = jax.ShapeDtypeStruct((shape["tokens"], h, d), jnp.bfloat16)
         args = [q, cache, cache, lengths, table, jax.ShapeDtypeStruct((b + 1,), jnp.int32)]
-    # Per-tensor scales as Python floats, compiled in, as JAX's step takes them (like for like: two
-    # float32 [] arguments would add 512 B each to the peak HBM on the TPU).
-    scales = dict(k_scale=DECODE_SCALE, v_scale=DECODE_SCALE) if quantized else {}
+    scales = _decode_scales(cache_dtype)
 
     def fn(q, k, v, lengths, table, *rest):
         ragged = dict(cu_q_lens=rest[0]) if not shape["uniform"] else {}
@@ -851,7 +856,7 @@ def _jax_ragged_step(shape: dict, cache_dtype: str):
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     h, hk, d, b = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["batch"]
-    scales = {} if cache_dtype == "bfloat16" else dict(k_scale=DECODE_SCALE, v_scale=DECODE_SCALE)
+    scales = _decode_scales(cache_dtype)
     fn = functools.partial(ragged_paged_attention, sm_scale=d ** -0.5, **scales)
     args = [jax.ShapeDtypeStruct((shape["tokens"], h, d), jnp.bfloat16),
             jax.ShapeDtypeStruct((shape["pages"], shape["page"], 2 * hk, d), jnp.dtype(cache_dtype)),
@@ -885,7 +890,7 @@ def _tpu_inference_step(shape: dict, cache_dtype: str, chip_name: str):
     version = int(kind.split()[1].lstrip("v"))
     # Its version check reads jax.devices()[0] (a CPU here): the target's, as jax_kernels_see does for JAX.
     kernel.get_tpu_version = util.get_tpu_version = lambda: version
-    scales = {} if cache_dtype == "bfloat16" else dict(k_scale=DECODE_SCALE, v_scale=DECODE_SCALE)
+    scales = _decode_scales(cache_dtype)
     vmem = chips.get(chip_name).vmem_bytes  # its default: the chip's VMEM (pltpu.get_tpu_info())
     fn = functools.partial(kernel.ragged_paged_attention, sm_scale=d ** -0.5, update_kv_cache=False,
                            vmem_limit_bytes=vmem, **scales)
