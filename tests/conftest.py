@@ -22,24 +22,26 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 
-# The unit stages of ci/test.py name a folder in TPUATTN_TEST_COMPILATION_CACHE, new for each run of the
-# command: JAX's persistent compilation cache there, for the pytest processes only (not their children,
-# which measure their own peak memory). The tests compile many identical CPU programs (a function traced
-# again at the same shapes compiles again); the stage takes 12% less time with it (ci/test.py). The TPU
-# compiler's programs for compile-only devices are written but cannot be read back: a repeated one is
-# compiled again, and JAX's "Error reading persistent compilation cache entry" warning is silenced.
-if os.environ.get("TPUATTN_TEST_COMPILATION_CACHE"):
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", os.environ["TPUATTN_TEST_COMPILATION_CACHE"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
 
 def pytest_configure(config):
-    if os.environ.get("TPUATTN_TEST_COMPILATION_CACHE"):
+    """The unit stages of ci/test.py name a folder in TPUATTN_TEST_COMPILATION_CACHE, new for each run of
+    the command: JAX's persistent compilation cache there, for the pytest processes only (not their
+    children, which measure their own peak memory). The tests compile many identical CPU programs (a
+    function traced again at the same shapes compiles again); the stage takes 12% less time with it
+    (ci/test.py). An entry that cannot be read back is compiled again, with JAX's "Error reading
+    persistent compilation cache entry" warning, silenced here: the TPU compiler's programs for
+    compile-only devices (written, never readable), or an entry one worker reads while the other is
+    still writing it."""
+    folder = os.environ.get("TPUATTN_TEST_COMPILATION_CACHE")
+    if folder:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         config.addinivalue_line(
             "filterwarnings", "ignore:Error reading persistent compilation cache entry:UserWarning")
+
 
 # The oracle cases the quick tier runs, one per implementation: the first of these it supports. Both
 # are small and check gradients; "everything" has every option at once (batch 2, GQA, causal with a
